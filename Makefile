@@ -1,0 +1,49 @@
+# distlab: `make book` regenerates every notebook and builds the site; `make test` runs the suite.
+# Both create the virtual environment on first use and reuse it afterwards.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.distlab-installed
+PROFILE ?= cpu
+PYTEST_ARGS ?=
+
+.PHONY: all env test book notebooks site lock clean help
+
+help:
+	@echo "make book   - set up, run every notebook (papermill), build the Jupyter Book site"
+	@echo "make test   - set up, run the test suite"
+	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
+
+env: $(STAMP)
+
+# Torch first, alone, so pip takes the local CPU build of 2.13.0; then everything else
+# under the lock as a constraint so nothing replaces it.
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -r requirements.lock -c requirements.lock
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+notebooks: $(STAMP)
+	$(PY) -m distlab.regenerate --profile $(PROFILE)
+
+site: $(STAMP)
+	$(PY) -m distlab.book
+
+book: notebooks site
+
+lock:
+	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
+	build/lockenv/bin/pip install -q "torch==2.13.0"
+	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest trl playwright nbformat nbclient
+	build/lockenv/bin/python tools/write_lock.py build/lockenv
+
+clean:
+	rm -rf build book/_build book/notebooks

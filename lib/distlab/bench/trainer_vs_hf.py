@@ -1,0 +1,199 @@
+"""distlab's loop vs Hugging Face Trainer (padding collator) vs TRL SFTTrainer (packing).
+
+    python -m distlab.bench.trainer_vs_hf [--steps 40] [--rounds 2]
+
+Same model (the default tiny Qwen2 + the same LoRA), same tokenised rows with the same label
+masking, same micro-batch, steps, optimizer and schedule, one CPU thread each. Every framework
+runs in its own process, alternating over rounds so machine noise hits all of them alike.
+Throughput is real (non-pad) tokens per second of wall-clock time between the end of the warm-up
+steps and the end of the last step: data loading, collation and logging all count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FRAMEWORKS = ("distlab", "hf_trainer", "trl_sft_packing")
+
+
+def _common(args):
+    import torch
+
+    from ..config import TrainConfig
+    from ..data import load_jsonl, tokenize_conversations
+    from ..models import load_tokenizer
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig(max_steps=args.steps, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                      lr=2e-3, warmup_steps=5, eval_file=None, save_model=False, progress=False, logging_steps=1)
+    tokenizer = load_tokenizer(cfg.model)
+    examples, _ = tokenize_conversations(load_jsonl(cfg.train_file), tokenizer, cfg.seq_len)
+    return cfg, tokenizer, examples
+
+
+def _throughput(step_end_times: list[float], step_tokens: list[int], warmup: int) -> float:
+    span = step_end_times[-1] - step_end_times[warmup - 1]
+    return sum(step_tokens[warmup:]) / span
+
+
+def run_distlab(args) -> dict:
+    from ..metrics import read_log
+    from ..train import train
+
+    cfg, _, _ = _common(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        train(cfg.replace(output_dir=tmp, eval_at_start=False, eval_at_end=False))
+        steps = read_log(Path(tmp) / "train_log.jsonl")
+    return {"tokens_per_s": _throughput([s["time"] for s in steps], [s["tokens"] for s in steps], args.warmup),
+            "steps": len(steps)}
+
+
+class _StepClock:
+    """Trainer callback recording wall time at each step end, and a collator counting real tokens."""
+
+    def __init__(self, collator):
+        from transformers import TrainerCallback
+
+        self.collator, self.times, self.pending, self.tokens = collator, [], 0, []
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_step_end(self, *_, **__):
+                clock.times.append(time.time())
+                clock.tokens.append(clock.pending)
+                clock.pending = 0
+
+        self.callback = Callback()
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        if "attention_mask" in batch:
+            self.pending += int(batch["attention_mask"].sum())
+        else:  # padding-free: one flattened row, every token real
+            self.pending += int(batch["input_ids"].numel())
+        return batch
+
+
+def _hf_model(cfg):
+    from ..models import load_model
+    from ..train import apply_lora, seed_everything
+
+    seed_everything(cfg.seed)
+    model = load_model(cfg.model)
+    model.config.use_cache = False
+    return apply_lora(model, cfg)
+
+
+def run_hf_trainer(args) -> dict:
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    cfg, tokenizer, examples = _common(args)
+    rows = [{"input_ids": e.input_ids, "labels": e.labels} for e in examples]
+    clock = _StepClock(DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = TrainingArguments(output_dir=tmp, per_device_train_batch_size=cfg.micro_batch_size,
+                                  max_steps=cfg.max_steps, learning_rate=cfg.lr, lr_scheduler_type="cosine",
+                                  warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+                                  max_grad_norm=cfg.max_grad_norm, logging_steps=cfg.max_steps, save_strategy="no",
+                                  report_to=[], use_cpu=True, dataloader_num_workers=0, seed=cfg.seed,
+                                  disable_tqdm=True)
+        Trainer(model=_hf_model(cfg), args=targs, train_dataset=rows, data_collator=clock,
+                callbacks=[clock.callback]).train()
+    return {"tokens_per_s": _throughput(clock.times, clock.tokens, args.warmup), "steps": len(clock.times)}
+
+
+def run_trl(args) -> dict:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    cfg, tokenizer, examples = _common(args)
+    data = Dataset.from_list([{"input_ids": e.input_ids,
+                               "assistant_masks": [int(lab != -100) for lab in e.labels]} for e in examples])
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = SFTConfig(output_dir=tmp, per_device_train_batch_size=cfg.micro_batch_size, max_steps=cfg.max_steps,
+                          learning_rate=cfg.lr, lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps,
+                          weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                          logging_steps=cfg.max_steps, save_strategy="no", report_to=[], use_cpu=True,
+                          dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True,
+                          packing=True, max_length=cfg.seq_len)
+        trainer = SFTTrainer(model=_hf_model(cfg), args=targs, train_dataset=data, processing_class=tokenizer)
+        clock = _StepClock(trainer.data_collator)
+        trainer.data_collator = clock
+        trainer.add_callback(clock.callback)
+        trainer.train()
+    return {"tokens_per_s": _throughput(clock.times, clock.tokens, args.warmup), "steps": len(clock.times)}
+
+
+WORKERS = {"distlab": run_distlab, "hf_trainer": run_hf_trainer, "trl_sft_packing": run_trl}
+
+
+def compare(steps: int = 40, warmup: int = 5, rounds: int = 2, micro_batch_size: int = 4, seq_len: int = 256,
+            frameworks=FRAMEWORKS, timeout_s: float = 600, echo=False):
+    """Run every framework `rounds` times (alternating) and return a DataFrame of medians and ratios."""
+    import pandas as pd
+
+    from ..runner import python_module_cmd, run
+
+    results: dict[str, list[float]] = {f: [] for f in frameworks}
+    for r in range(rounds):
+        for name in frameworks:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "result.json"
+                run(python_module_cmd("distlab.bench.trainer_vs_hf", "--worker", name, "--out", str(out),
+                                      "--steps", str(steps), "--warmup", str(warmup),
+                                      "--micro-batch-size", str(micro_batch_size), "--seq-len", str(seq_len)),
+                    timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+                    echo=echo)
+                res = json.loads(out.read_text())
+            results[name].append(res["tokens_per_s"])
+            print(f"round {r + 1}/{rounds} {name:>16}: {res['tokens_per_s']:8.0f} real tokens/s", flush=True)
+    base = statistics.median(results["hf_trainer"]) if "hf_trainer" in results else None
+    rows = []
+    for name, values in results.items():
+        med = statistics.median(values)
+        rows.append({"framework": name, "tokens_per_s": med, "rounds": len(values),
+                     "min": min(values), "max": max(values),
+                     "vs_hf_trainer": med / base if base else float("nan")})
+    df = pd.DataFrame(rows)
+    if "trl_sft_packing" in results:
+        df["vs_trl_packing"] = df["tokens_per_s"] / statistics.median(results["trl_sft_packing"])
+    return df
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distlab.bench.trainer_vs_hf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--csv", help="also save the table here (with a provenance sidecar)")
+    parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        Path(args.out).write_text(json.dumps(WORKERS[args.worker](args)))
+        return 0
+    df = compare(args.steps, args.warmup, args.rounds, args.micro_batch_size, args.seq_len, args.frameworks)
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    for name in df["framework"]:
+        if name != "distlab":
+            ratio = float(df.loc[df.framework == "distlab", "tokens_per_s"].iloc[0]) / \
+                float(df.loc[df.framework == name, "tokens_per_s"].iloc[0])
+            print(f"distlab / {name}: {ratio:.2f}x")
+    if args.csv:
+        from ..provenance import save_table, stamp
+
+        save_table(df, args.csv, stamp("distlab-tiny", 1, threads_per_rank=1, steps=args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

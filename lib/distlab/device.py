@@ -1,0 +1,147 @@
+"""Device and dtype choice, peak FLOP/s (vendor table or measured here), memory readings."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .paths import CACHE_DIR
+
+# Dense (no sparsity) peak FLOP/s from vendor data sheets, matched by substring of the device name.
+# Only used when the name matches; anything else is measured with a matmul benchmark.
+KNOWN_PEAKS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},  # SXM; PCIe is lower, measured numbers tell
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp32": 91.6e12},
+    "A10": {"bf16": 125e12, "fp32": 31.2e12},
+    "RTX 4090": {"bf16": 165e12, "fp32": 82.6e12},
+    "MI300X": {"bf16": 1307e12, "fp32": 163e12},
+    "MI250X": {"bf16": 383e12, "fp32": 47.9e12},
+    "MI100": {"bf16": 92.3e12, "fp32": 23.1e12},
+}
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device: torch.device
+    dtype: torch.dtype  # storage/compute dtype of the model weights
+    autocast_dtype: torch.dtype | None  # None: no autocast
+
+    @property
+    def kind(self) -> str:
+        return self.device.type
+
+
+def choose_device(device: str = "auto", dtype: str = "auto", local_rank: int = 0) -> DeviceChoice:
+    """`auto`: CUDA/ROCm GPU when present (bf16 autocast, fp32 master weights), else CPU in fp32.
+
+    On CPU we keep fp32: bf16 matmuls on most CPUs are emulated and slower, and the tutorial's
+    loss-equality checks need fp32 determinism."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
+    if dtype == "auto":
+        dtype = "bf16-autocast" if dev.type == "cuda" else "fp32"
+    table = {
+        "fp32": (torch.float32, None),
+        "bf16-autocast": (torch.float32, torch.bfloat16),
+        "bf16": (torch.bfloat16, None),
+        "fp16-autocast": (torch.float32, torch.float16),
+    }
+    if dtype not in table:
+        raise ValueError(f"dtype {dtype!r}: expected one of auto, {', '.join(table)}")
+    store, auto = table[dtype]
+    return DeviceChoice(dev, store, auto)
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from .provenance import device_description
+
+    return device_description()
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         n: int | None = None, seconds: float = 1.0) -> float:
+    """Achieved FLOP/s of an n x n matmul, repeated for about `seconds`, best of three rounds."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b)
+    sync()
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    sync()
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, int(seconds / 3 / one))
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b)
+        sync()
+        best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               refresh: bool = False) -> tuple[float, str]:
+    """(FLOP/s, source) used as the MFU denominator.
+
+    A known GPU takes its data-sheet peak; anything else (every CPU) is measured once with a
+    matmul at the current thread count and cached under build/cache, keyed by device, dtype and
+    threads, so later runs and other chapters use the same number."""
+    device = torch.device(device)
+    name = device_name(device)
+    key = _dtype_key(dtype)
+    if device.type == "cuda":
+        for pattern, peaks in KNOWN_PEAKS.items():
+            if pattern in name and key in peaks:
+                return peaks[key], f"data sheet ({pattern} {key})"
+    threads = torch.get_num_threads()
+    cache = CACHE_DIR / "peak_flops.json"
+    ident = f"{name}|{key}|threads={threads}"
+    table = {}
+    if cache.exists():
+        try:
+            table = json.loads(cache.read_text())
+        except json.JSONDecodeError:
+            table = {}
+    if ident not in table or refresh:
+        table[ident] = measure_matmul_flops(device, dtype)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(cache)  # atomic: several ranks may measure at once
+    return table[ident], f"measured matmul ({key}, {threads} thread{'s' * (threads != 1)})"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: the CUDA allocator's peak on GPU, peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

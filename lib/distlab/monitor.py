@@ -1,0 +1,279 @@
+"""A device-utilisation timeline around any run: GPU util % and memory when a vendor tool is
+there, otherwise CPU % and RSS of this process and everything it started.
+
+    with UtilizationSampler("build/runs/util.csv", pids="children"):
+        runner.run([...torchrun...], timeout_s=60)
+    plot_utilization("build/runs/util.csv", "figures/util.png", provenance.stamp(...))
+
+The sampler runs in a background thread, never raises into the caller (problems are kept in
+`.errors`) and takes a last sample when it stops.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+FIELDS = ["t_s", "source", "id", "label", "util_pct", "mem_mib"]
+MAX_ERRORS = 20  # a failing probe repeats every tick; the first few say everything
+
+
+# ---------------------------------------------------------------- GPUs via the vendor tool
+
+def gpu_tool() -> str | None:
+    for tool in ("nvidia-smi", "rocm-smi"):
+        if shutil.which(tool):
+            return tool
+    return None
+
+
+def _number(text: Any) -> float:
+    try:
+        return float(str(text).strip().rstrip("%"))
+    except ValueError:  # "[N/A]" on some boards
+        return math.nan
+
+
+def query_gpus(tool: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:
+    """One reading per GPU: id, label, util_pct, mem_mib (used). [] when the tool fails or hangs."""
+    if tool == "nvidia-smi":
+        cmd = ["nvidia-smi", "--query-gpu=index,name,utilization.gpu,memory.used",
+               "--format=csv,noheader,nounits"]
+    else:
+        cmd = ["rocm-smi", "--showuse", "--showmeminfo", "vram", "--json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return _parse_nvidia(out) if tool == "nvidia-smi" else _parse_rocm(out)
+
+
+def _parse_nvidia(out: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 4:
+            rows.append({"id": parts[0], "label": f"gpu{parts[0]} {parts[1]}",
+                         "util_pct": _number(parts[2]), "mem_mib": _number(parts[3])})
+    return rows
+
+
+def _parse_rocm(out: str) -> list[dict[str, Any]]:
+    try:
+        cards = json.loads(out)
+    except json.JSONDecodeError:
+        return []
+    rows = []
+    for card, fields in cards.items():
+        if not card.startswith("card") or not isinstance(fields, dict):
+            continue
+        # Key spellings vary between rocm-smi releases: match on the words that do not.
+        lower = {k.lower(): v for k, v in fields.items()}
+        util = next((v for k, v in lower.items() if "use (%)" in k), math.nan)
+        used = next((v for k, v in lower.items() if "used memory" in k), math.nan)
+        rows.append({"id": card[4:], "label": f"gpu{card[4:]}", "util_pct": _number(util),
+                     "mem_mib": _number(used) / 2**20})
+    return rows
+
+
+# ---------------------------------------------------------------- processes via psutil
+
+class ProcessTree:
+    """CPU % (100 = one core busy) and RSS of root processes and all their descendants.
+
+    `pids=None`: this process and its descendants; 'children': only the descendants; a list:
+    those processes and their descendants. Descendants are found through parent links, so ranks
+    started by runner.run in a session of their own are still found."""
+
+    def __init__(self, pids: None | str | Sequence[int] = None):
+        if pids not in (None, "children") and isinstance(pids, str):
+            raise ValueError(f"pids={pids!r}: expected None, 'children' or a list of pids")
+        self.include_roots = pids != "children"
+        self.roots = [os.getpid()] if pids in (None, "children") else list(pids)
+        self._last: dict[tuple[int, float], tuple[float, float]] = {}  # (pid, start) -> (time, cpu s)
+        self._labels: dict[tuple[int, float], str] = {}
+
+    def processes(self) -> list:
+        import psutil
+
+        found = {}
+        for pid in self.roots:
+            try:
+                root = psutil.Process(pid)
+                members = ([root] if self.include_roots else []) + root.children(recursive=True)
+            except psutil.Error:
+                continue
+            found.update((p.pid, p) for p in members)
+        return list(found.values())
+
+    def sample(self) -> list[dict[str, Any]]:
+        import psutil
+
+        rows = []
+        for proc in self.processes():
+            try:
+                with proc.oneshot():
+                    key = (proc.pid, proc.create_time())  # a recycled pid is a new process
+                    times = proc.cpu_times()
+                    rss = proc.memory_info().rss
+            except psutil.Error:  # it exited between listing and reading: normal
+                continue
+            now, cpu = time.time(), times.user + times.system
+            # First sight: average since the process started, so short-lived ranks still count.
+            t_prev, cpu_prev = self._last.get(key, (key[1], 0.0))
+            self._last[key] = (now, cpu)
+            rows.append({"id": str(proc.pid), "label": self._label(proc, key),
+                         "util_pct": 100.0 * (cpu - cpu_prev) / max(now - t_prev, 1e-3),
+                         "mem_mib": rss / 2**20})
+        return rows
+
+    def _label(self, proc, key) -> str:
+        if key not in self._labels:
+            self._labels[key] = f"{_role(proc)} (pid {proc.pid})"
+        return self._labels[key]
+
+
+def _role(proc) -> str:
+    """'rank N' for a torchrun rank (from its RANK variable), else a short program name."""
+    import psutil
+
+    if proc.pid == os.getpid():
+        return "this process"
+    try:
+        env = proc.environ()
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:  # set by torchrun for its ranks only
+            return f"rank {env['RANK']}"
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return "process"
+    if any("torch.distributed.run" in c or c.endswith("torchrun") for c in cmdline):
+        return "torchrun"
+    return proc.name()
+
+
+# ---------------------------------------------------------------- the sampler
+
+class UtilizationSampler:
+    """Context manager that writes a utilisation timeline to `csv_path` every `interval_s`.
+
+    `source`: 'auto' (GPUs when nvidia-smi/rocm-smi answers, else processes), 'gpu' or
+    'process'. `pids` selects the processes (see ProcessTree). Columns: t_s (since start),
+    source, id, label, util_pct, mem_mib."""
+
+    def __init__(self, csv_path: str | Path, interval_s: float = 0.5,
+                 pids: None | str | Sequence[int] = None, source: str = "auto"):
+        if source not in ("auto", "gpu", "process"):
+            raise ValueError(f"source={source!r}: expected auto, gpu or process")
+        self.csv_path = Path(csv_path)
+        self.interval_s = interval_s
+        self.tree = ProcessTree(pids)
+        self.tool = gpu_tool() if source in ("auto", "gpu") else None
+        self.source = "gpu" if self.tool else "process"
+        self.rows = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = 0.0
+
+    def __enter__(self) -> "UtilizationSampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False  # the caller's exception, if any, goes on
+
+    def start(self) -> None:
+        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="UtilizationSampler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                self._note("sampler thread did not stop in time (a GPU query hung?)")
+
+    def _loop(self) -> None:
+        try:
+            with open(self.csv_path, "w", newline="", encoding="utf-8") as f:
+                out = csv.DictWriter(f, fieldnames=FIELDS)
+                out.writeheader()
+                while True:
+                    self._tick(out)
+                    f.flush()  # a reader (or a crash) sees the timeline so far
+                    if self._stop.wait(self.interval_s):
+                        break
+                self._tick(out)  # the state at the end of the run
+        except Exception as e:  # never into the caller: the run matters more than its graph
+            self._note(f"sampler stopped: {e!r}")
+
+    def _tick(self, out: csv.DictWriter) -> None:
+        t = round(time.monotonic() - self._t0, 3)
+        try:
+            readings = self._read()
+        except Exception as e:
+            self._note(repr(e))
+            return
+        for r in readings:
+            out.writerow({"t_s": t, "source": self.source, **r})
+        self.rows += len(readings)
+
+    def _read(self) -> list[dict[str, Any]]:
+        if self.source == "gpu":
+            readings = query_gpus(self.tool, timeout_s=max(2.0, 4 * self.interval_s))
+            if readings:
+                return readings
+            if self.rows == 0:  # a tool without working GPUs: fall back for the whole run
+                self._note(f"{self.tool} gave no readings; sampling processes instead")
+                self.source = "process"
+            else:
+                return []
+        return self.tree.sample()
+
+    def _note(self, message: str) -> None:
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(message)
+
+
+# ---------------------------------------------------------------- the plot
+
+def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
+                     title: str | None = None):
+    """Utilisation (top) and memory (bottom) over time, one line per GPU or process."""
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    from .provenance import save_figure
+
+    df = pd.read_csv(csv_path, dtype={"id": str})
+    fig = Figure(figsize=(7, 5))
+    ax_util, ax_mem = fig.subplots(2, 1, sharex=True)
+    for (source, ident), g in df.groupby(["source", "id"], sort=False):
+        ax_util.plot(g["t_s"], g["util_pct"], ".-", label=g["label"].iloc[0])
+        ax_mem.plot(g["t_s"], g["mem_mib"], ".-")
+    is_gpu = (df["source"] == "gpu").any()
+    ax_util.set_ylabel("GPU util %" if is_gpu else "CPU % (100 = 1 core)")
+    ax_mem.set_ylabel("GPU memory MiB" if is_gpu else "RSS MiB")
+    ax_mem.set_xlabel("seconds since the sampler started")
+    ax_util.set_title(title or f"utilisation timeline ({Path(csv_path).name})", fontsize=10)
+    if df.empty:
+        ax_util.text(0.5, 0.5, "no samples", transform=ax_util.transAxes, ha="center")
+    else:
+        ax_util.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for ax in (ax_util, ax_mem):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, out_png, dict(provenance))
+    return fig

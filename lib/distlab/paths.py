@@ -1,0 +1,27 @@
+"""Where things live. Everything generated at run time goes under build/ (git-ignored)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# lib/distlab/paths.py -> repo root is two levels above the package folder.
+REPO_ROOT = Path(os.environ.get("DISTLAB_ROOT", Path(__file__).resolve().parents[2]))
+DATA_DIR = REPO_ROOT / "data"
+FIGURES_DIR = Path(os.environ.get("DISTLAB_FIGURES", REPO_ROOT / "figures"))
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+LAUNCH_DIR = REPO_ROOT / "launch"
+BOOK_DIR = REPO_ROOT / "book"
+BUILD_DIR = Path(os.environ.get("DISTLAB_BUILD", REPO_ROOT / "build"))
+MODEL_CACHE = BUILD_DIR / "models"
+RUNS_DIR = BUILD_DIR / "runs"
+CACHE_DIR = BUILD_DIR / "cache"
+
+TRAIN_FILE = DATA_DIR / "support" / "train.jsonl"
+EVAL_FILE = DATA_DIR / "support" / "eval.jsonl"
+DEMO_PROMPTS = DATA_DIR / "prompts" / "demo_prompts.jsonl"
+
+
+def ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,112 @@
+"""Provenance: every figure, table and run records device, model, world size, commit and date."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .paths import REPO_ROOT
+
+
+def git_commit(short: bool = True) -> str:
+    """The commit of the working tree, with '+dirty' when there are uncommitted changes."""
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short" if short else "--verify", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "accelerate", "deepspeed", "tokenizers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def device_description() -> str:
+    """A short human name of the compute device: GPU model(s), or the CPU model and core count."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+            return f"{torch.cuda.device_count()}x " + " / ".join(sorted(names))
+    except ImportError:
+        pass
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"CPU {cpu} ({os.cpu_count()} cores)"
+
+
+def stamp(model: str, world_size: int | str, device: str | None = None, **extra: Any) -> dict[str, Any]:
+    """The provenance record attached to a figure or table."""
+    rec = {
+        "device": device or device_description(),
+        "model": model,
+        "world_size": world_size,
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    rec.update(extra)
+    return rec
+
+
+def stamp_text(rec: dict[str, Any]) -> str:
+    return (f"{rec['device']} | model {rec['model']} | world size {rec['world_size']} | "
+            f"commit {rec['commit']} | {rec['date']}")
+
+
+def save_figure(fig, path: str | Path, provenance: dict[str, Any]) -> Path:
+    """Save a matplotlib figure with its provenance printed in the figure and in a sidecar JSON."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.text(0.005, 0.005, stamp_text(provenance), fontsize=6, color="0.4", ha="left", va="bottom")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    write_sidecar(path, provenance)
+    return path
+
+
+def save_table(df, path: str | Path, provenance: dict[str, Any]) -> Path:
+    """Save a pandas table as CSV (or Markdown for .md) with a provenance sidecar JSON.
+
+    The Markdown form also carries the provenance as a trailing line, so a reader of the
+    table alone still sees where the numbers came from."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".md":
+        path.write_text(df.to_markdown(index=False) + f"\n\n_Provenance: {stamp_text(provenance)}_\n")
+    else:
+        df.to_csv(path, index=False)
+    write_sidecar(path, provenance)
+    return path
+
+
+def write_sidecar(path: Path, provenance: dict[str, Any]) -> Path:
+    side = path.with_name(path.name + ".provenance.json")
+    side.write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n")
+    return side

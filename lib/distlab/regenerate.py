@@ -1,0 +1,590 @@
+"""Re-run every tutorial notebook with papermill, in order, and collect the executed copies.
+
+    python -m distlab.regenerate [--profile cpu|gpu|quick] [--only NN ...]
+
+Each `notebooks/NN_*.ipynb` runs in its own subprocess through `distlab.runner.run` (own process
+session, hard timeout, killed as a group), with parameters from `notebooks/profiles.yaml`:
+
+    cpu:                      # the default profile; notebook defaults already target a 2-core CPU
+      "*": {}
+    gpu:
+      "*": {device: cuda}     # every notebook
+      "02": {nproc: 8}        # notebook 02 only (a full stem such as "02_ddp_scaling" works too)
+
+An executed copy that ran clean goes to the book's input (`book/notebooks/`); one that failed is kept
+at `build/regenerate/failed/` and the command ends non-zero naming the notebook and the failing cell.
+`build/regenerate/summary.json` records every notebook's status, time and failing cell, and
+`build/regenerate/logs/` the full papermill output (cell outputs included).
+
+Papermill runs under a small "subreaper" shim (`python -m distlab.regenerate --reap -- CMD`): the
+Jupyter kernel starts in a session of its own, and a job that a notebook launches through
+`distlab.runner` gets yet another one, so when the kernel exits such a job would be re-parented to
+init and outlive the run. Marked as child subreaper, the shim inherits these orphans and kills them
+when papermill ends (or when the runner's timeout terminates it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as _dt
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence, TextIO
+
+from . import paths, runner
+
+NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
+DEFAULT_PROFILE = "cpu"
+DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_KERNEL = "python3"
+HEARTBEAT_S = 60.0  # a "still running" line at most this often while a notebook runs
+
+# papermill tags: the cell it injects with the parameters, and the two cells it adds on an error.
+INJECTED_TAG = "injected-parameters"
+ERROR_MARKER_TAG = "papermill-error-cell-tag"
+
+_CELL_START_RE = re.compile(r"^Executing Cell (\d+)-*\s*$")
+_UNKNOWN_PARAM_RE = re.compile(r"Passed unknown parameter: (\S+)")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class CellFailure:
+    """Where a notebook stopped: the cell as numbered in the *source* notebook (0-based)."""
+
+    index: int  # 0-based index among the source notebook's cells (papermill's own cells skipped)
+    execution_count: int | None  # the "In [n]" of the executed copy
+    first_line: str  # first non-blank line of the cell's source
+    ename: str = ""  # exception class name ("" when the cell was still running: a timeout)
+    evalue: str = ""
+    status: str = "failed"  # "failed" or "running" (killed while it ran)
+
+    def where(self) -> str:
+        text = f"cell {self.index}"
+        return text + (f" (In [{self.execution_count}])" if self.execution_count is not None else "")
+
+    def what(self) -> str:
+        return f"raised {self.ename}: {self.evalue}" if self.ename else "was still running"
+
+    def describe(self) -> str:
+        """Two lines: "cell 3 (In [4]) raised RuntimeError: boom" and "> <first source line>"."""
+        return f"{self.where()} {self.what()}\n    > {self.first_line}"
+
+
+@dataclass
+class NotebookResult:
+    name: str  # file stem, e.g. "01_single_device_baseline"
+    source: str
+    status: str  # ok | failed | timeout | error
+    elapsed_s: float
+    executed: str | None  # where the executed copy is now (book input, or the failed/ folder)
+    log: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    ignored_parameters: list[str] = field(default_factory=list)
+    failing_cell: CellFailure | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+# ----------------------------------------------------------------------------- profiles
+
+
+def discover(notebooks_dir: str | Path, only: Iterable[str] | None = None) -> list[Path]:
+    """The `NN_*.ipynb` notebooks of a folder in numeric order, optionally only those selected
+    by number ("01", "1") or stem ("01_single_device_baseline")."""
+    notebooks_dir = Path(notebooks_dir)
+    found = sorted(
+        (p for p in notebooks_dir.glob("*.ipynb") if NOTEBOOK_RE.match(p.name)),
+        key=lambda p: (int(NOTEBOOK_RE.match(p.name).group(1)), p.name),
+    )
+    if only is None:
+        return found
+    wanted = list(only)
+    picked = [p for p in found if any(_selects(w, p) for w in wanted)]
+    missing = [w for w in wanted if not any(_selects(w, p) for p in found)]
+    if missing:
+        raise ValueError(f"--only {' '.join(missing)}: no such notebook in {notebooks_dir} "
+                         f"(have: {', '.join(p.stem for p in found) or 'none'})")
+    return picked
+
+
+def _selects(key: str, nb: Path) -> bool:
+    key = key.removesuffix(".ipynb")
+    number = NOTEBOOK_RE.match(nb.name).group(1)
+    return key == nb.stem or (key.isdigit() and int(key) == int(number))
+
+
+def load_profiles(path: str | Path | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Read a profiles file: {profile: {"*" | "NN" | stem: {param: value}}}. A missing file is {}."""
+    import yaml
+
+    if path is None or not Path(path).exists():
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of profile names")
+    for name, body in data.items():
+        body = body or {}
+        if not isinstance(body, dict) or not all(isinstance(v or {}, dict) for v in body.values()):
+            raise ValueError(f"{path}: profile {name!r} must map '*', 'NN' or a notebook stem "
+                             "to a mapping of parameters")
+        data[name] = {str(k): dict(v or {}) for k, v in body.items()}
+    return data
+
+
+def parameters_for(profiles: dict, profile: str, notebook: str | Path) -> dict[str, Any]:
+    """The parameters of one notebook under a profile: "*" first, then "NN", then the stem."""
+    if profile not in profiles:
+        if profile == DEFAULT_PROFILE:
+            return {}  # the default profile may be left out: notebook defaults are the CPU ones
+        raise KeyError(f"unknown profile {profile!r} (have: {', '.join(profiles) or 'none'})")
+    body = profiles[profile]
+    stem = Path(notebook).stem
+    m = NOTEBOOK_RE.match(Path(notebook).name)
+    keys = ["*"]
+    if m:
+        keys += sorted((k for k in body if k.isdigit() and int(k) == int(m.group(1))), key=len)
+    keys.append(stem)
+    params: dict[str, Any] = {}
+    for k in keys:
+        params.update(body.get(k, {}))
+    return params
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def find_failing_cell(executed: str | Path) -> CellFailure | None:
+    """Parse an executed (or partly executed) copy for the cell that failed or was still running.
+
+    papermill marks a cell's metadata.papermill.status ("running" until it ends, "failed" on an
+    exception) and records the exception as an "error" output; it also inserts its own cells (the
+    injected parameters, two error banners), which are skipped so the index is the source's."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(str(executed), as_version=4)
+    except Exception:  # missing, or cut off mid-write by a kill
+        return None
+    index = -1
+    running: CellFailure | None = None
+    for cell in nb.cells:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if INJECTED_TAG in tags or ERROR_MARKER_TAG in tags:
+            continue
+        index += 1
+        if cell.get("cell_type") != "code":
+            continue
+        pm = cell.get("metadata", {}).get("papermill", {})
+        first = next((ln.strip() for ln in cell.source.splitlines() if ln.strip()), "")
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                if out.get("ename") == "SystemExit" and str(out.get("evalue", "")) in ("", "0"):
+                    continue
+                return CellFailure(index, cell.get("execution_count"), first, out.get("ename", ""),
+                                   _first_line(out.get("evalue", "")), "failed")
+        if pm.get("exception") is True or pm.get("status") == "failed":
+            return CellFailure(index, cell.get("execution_count"), first, "CellExecutionError", "", "failed")
+        if pm.get("status") == "running" and running is None:
+            running = CellFailure(index, cell.get("execution_count"), first, "", "", "running")
+    return running
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- the subreaper shim
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def kill_descendants(grace_s: float = 3.0) -> int:
+    """SIGTERM every descendant of this process, SIGKILL what is left after `grace_s`, and reap
+    them (so none stays behind as a zombie). Returns how many were found."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0
+    for _ in range(3):  # a dying parent may start a last child; look again
+        procs = me.children(recursive=True)
+        if not procs:
+            break
+        total += len(procs)
+        for sig_name in ("terminate", "kill"):
+            for p in procs:
+                try:
+                    getattr(p, sig_name)()
+                except psutil.Error:
+                    pass
+            procs = _wait_gone(procs, grace_s)
+            if not procs:
+                break
+    _reap_zombies()
+    return total
+
+
+def _wait_gone(procs: list, timeout_s: float) -> list:
+    """Wait until none of `procs` is alive (a zombie counts as gone); return those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _reap_zombies()  # orphans re-parented to this subreaper become our children
+        procs = [p for p in procs if _alive(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        time.sleep(0.05)
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def reap_and_run(cmd: Sequence[str]) -> int:
+    """Run `cmd` as a child of this process, marked as subreaper; when it ends (or this process is
+    terminated) kill and reap every descendant, orphans that left their session included."""
+    _become_subreaper()
+
+    def on_signal(signum, _frame):
+        raise _Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    code = 1
+    try:
+        child = subprocess.Popen(list(cmd))
+        code = child.wait()
+    except _Terminated as exc:
+        code = 128 + int(exc.args[0])
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        left = kill_descendants()
+        if left:
+            print(f"[distlab.regenerate] killed {left} leftover process(es) "
+                  "(started by the notebook, outliving its kernel)", flush=True)
+    return code if code >= 0 else 128 - code
+
+
+# ----------------------------------------------------------------------------- running
+
+
+class _Progress:
+    """Turns papermill's log lines into a terse progress display; everything goes to the log."""
+
+    def __init__(self, label: str, stream: TextIO, verbose: bool):
+        self.label, self.stream, self.verbose = label, stream, verbose
+        self.start = time.monotonic()
+        self.cell: int | None = None
+        self.last_beat = self.start
+        self.line_open = False
+        self.ignored: list[str] = []
+
+    def open(self) -> None:
+        self.stream.write(f"{self.label} ...")
+        self.stream.flush()
+        self.line_open = True
+
+    def __call__(self, line: str) -> None:
+        if (m := _CELL_START_RE.match(line)):
+            self.cell = int(m.group(1))
+        if (m := _UNKNOWN_PARAM_RE.search(line)) and m.group(1) not in self.ignored:
+            self.ignored.append(m.group(1))
+        if self.verbose:
+            self._break_line()
+            self.stream.write(f"    | {line}\n")
+            self.stream.flush()
+            return
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_S:
+            self.last_beat = now
+            self._break_line()
+            where = f"cell {self.cell}" if self.cell is not None else "starting"
+            self.stream.write(f"      ... {where}, {now - self.start:.0f}s\n")
+            self.stream.flush()
+
+    def _break_line(self) -> None:
+        if self.line_open:
+            self.stream.write("\n")
+            self.line_open = False
+
+    def close(self, verdict: str) -> None:
+        text = verdict if self.line_open else f"{self.label} ... {verdict}"
+        self.stream.write((" " if self.line_open else "") + text + "\n")
+        self.stream.flush()
+        self.line_open = False
+
+
+def papermill_cmd(notebook: Path, output: Path, *, params_file: Path | None, cwd: Path,
+                  kernel: str | None = DEFAULT_KERNEL) -> list[str]:
+    """The papermill command line for one notebook (without the reaper shim)."""
+    cmd = [sys.executable, "-m", "papermill", str(notebook), str(output),
+           "--cwd", str(cwd), "--log-output", "--no-progress-bar", "--log-level", "INFO"]
+    if params_file is not None:
+        cmd += ["-f", str(params_file)]
+    if kernel:
+        cmd += ["--kernel", kernel]
+    return cmd
+
+
+def run_notebook(
+    notebook: str | Path,
+    executed: str | Path,
+    *,
+    parameters: dict[str, Any] | None = None,
+    cwd: str | Path | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    kernel: str | None = DEFAULT_KERNEL,
+    echo: bool | Callable[[str], None] = False,
+    params_dir: str | Path | None = None,
+) -> tuple[runner.RunResult, CellFailure | None]:
+    """Execute one notebook with papermill in a killable subprocess; return the run and, when it
+    did not succeed, the failing (or still running) cell parsed from the executed copy."""
+    import yaml
+
+    notebook, executed = Path(notebook), Path(executed)
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    executed.unlink(missing_ok=True)
+    params_file = None
+    if parameters:
+        params_file = Path(params_dir or executed.parent) / f"{notebook.stem}.params.yaml"
+        params_file.parent.mkdir(parents=True, exist_ok=True)
+        params_file.write_text(yaml.safe_dump(parameters, sort_keys=True))
+    cmd = [sys.executable, "-m", "distlab.regenerate", "--reap", "--",
+           *papermill_cmd(notebook, executed, params_file=params_file,
+                          cwd=Path(cwd or notebook.parent), kernel=kernel)]
+    result = runner.run(cmd, timeout_s=timeout_s, log_path=log_path, env=env, echo=echo, check=False)
+    failure = None if result.ok else find_failing_cell(executed)
+    return result, failure
+
+
+def regenerate(
+    *,
+    profile: str = DEFAULT_PROFILE,
+    only: Iterable[str] | None = None,
+    notebooks_dir: str | Path | None = None,
+    out_dir: str | Path | None = None,
+    work_dir: str | Path | None = None,
+    profiles_file: str | Path | None = None,
+    figures_dir: str | Path | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    kernel: str | None = DEFAULT_KERNEL,
+    verbose: bool = False,
+    stream: TextIO | None = None,
+) -> list[NotebookResult]:
+    """Run the notebooks in order; return one NotebookResult each (failures do not stop the rest).
+
+    Executed copies that succeeded go to `out_dir` (default book/notebooks); failed ones to
+    `work_dir`/failed (default build/regenerate/failed), with logs and summary.json in `work_dir`.
+    `figures_dir` (exported as DISTLAB_FIGURES to the notebooks) redirects figures and tables."""
+    stream = stream or sys.stdout
+    notebooks_dir = Path(notebooks_dir or paths.NOTEBOOKS_DIR).resolve()
+    out_dir = Path(out_dir or paths.BOOK_DIR / "notebooks").resolve()
+    work_dir = Path(work_dir or paths.BUILD_DIR / "regenerate").resolve()
+    if profiles_file is None:
+        profiles_file = notebooks_dir / "profiles.yaml"
+    profiles = load_profiles(profiles_file)
+    if profile not in profiles and profile != DEFAULT_PROFILE:
+        raise KeyError(f"unknown profile {profile!r} in {profiles_file} "
+                       f"(have: {', '.join(profiles) or 'none'})")
+    selected = only is not None
+    notebooks = discover(notebooks_dir, only)
+
+    for sub in ("executing", "failed", "logs", "params"):
+        (work_dir / sub).mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not selected:  # a full run: drop executed copies whose source notebook is gone
+        names = {p.name for p in notebooks}
+        for stale in out_dir.glob("*.ipynb"):
+            if NOTEBOOK_RE.match(stale.name) and stale.name not in names:
+                stale.unlink()
+                stream.write(f"removed {stale} (no such notebook any more)\n")
+
+    env = {"DISTLAB_PROFILE": profile}
+    if figures_dir is not None:
+        env["DISTLAB_FIGURES"] = str(Path(figures_dir).resolve())
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.monotonic()
+    if not notebooks:
+        stream.write(f"no NN_*.ipynb notebooks in {notebooks_dir}: nothing to run\n")
+    results: list[NotebookResult] = []
+    for i, nb in enumerate(notebooks, 1):
+        params = parameters_for(profiles, profile, nb)
+        executing = work_dir / "executing" / nb.name
+        log_path = work_dir / "logs" / f"{nb.stem}.log"
+        progress = _Progress(f"[{i}/{len(notebooks)}] {nb.stem}", stream, verbose)
+        progress.open()
+        run, failure = run_notebook(
+            nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s,
+            log_path=log_path, env=env, kernel=kernel, echo=progress, params_dir=work_dir / "params",
+        )
+        res = NotebookResult(
+            name=nb.stem, source=str(nb), status="ok", elapsed_s=round(run.elapsed_s, 1),
+            executed=None, log=str(log_path), parameters=params,
+            ignored_parameters=list(progress.ignored), failing_cell=failure,
+        )
+        failed_copy = work_dir / "failed" / nb.name
+        book_copy = out_dir / nb.name
+        if run.ok:
+            shutil.move(executing, book_copy)
+            failed_copy.unlink(missing_ok=True)
+            res.executed = str(book_copy)
+            note = f" (ignored parameters: {', '.join(res.ignored_parameters)})" if res.ignored_parameters else ""
+            progress.close(f"ok {run.elapsed_s:.1f}s{note}")
+        else:
+            if run.timed_out:
+                res.status = "timeout"
+                head = f"timed out after {run.elapsed_s:.0f}s (limit {timeout_s:g}s) and was killed"
+            elif failure is not None:
+                res.status = "failed"
+                head = f"failed (exit code {run.returncode})"
+            else:
+                res.status = "error"
+                head = f"papermill exited with code {run.returncode} before a cell failed"
+            if executing.exists():
+                shutil.move(executing, failed_copy)
+                res.executed = str(failed_copy)
+            if book_copy.exists():  # an older successful copy would show stale results
+                book_copy.unlink()
+            lines = [f"{nb.name} {head}"]
+            if failure is not None:
+                lines.append(f"  {failure.describe()}")
+            else:
+                lines.append("  last output:")
+                lines += [f"    | {ln}" for ln in [t for t in run.tail if t.strip()][-12:]]
+            if res.executed:
+                lines.append(f"  executed copy: {res.executed}")
+            lines.append(f"  log: {log_path}")
+            res.message = "\n".join(lines)
+            progress.close(f"{res.status.upper()} {run.elapsed_s:.1f}s"
+                           + (f": {failure.where()} {failure.what()}" if failure else ""))
+        results.append(res)
+
+    write_summary(work_dir / "summary.json", results, profile=profile, started=started,
+                  elapsed_s=time.monotonic() - t0, notebooks_dir=notebooks_dir, out_dir=out_dir)
+    return results
+
+
+def write_summary(path: Path, results: list[NotebookResult], **meta: Any) -> Path:
+    from .provenance import git_commit
+
+    doc = {
+        "profile": meta.get("profile"),
+        "started": meta["started"].strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "elapsed_s": round(meta.get("elapsed_s", 0.0), 1),
+        "commit": git_commit(),
+        "notebooks_dir": str(meta.get("notebooks_dir")),
+        "out_dir": str(meta.get("out_dir")),
+        "ok": all(r.ok for r in results),
+        "notebooks": [asdict(r) for r in results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m distlab.regenerate",
+        description="Execute every notebooks/NN_*.ipynb with papermill (in order, each in a killable "
+                    "subprocess) and put the executed copies into the book's input.")
+    ap.add_argument("--profile", default=os.environ.get("DISTLAB_PROFILE", DEFAULT_PROFILE),
+                    help="parameter profile from profiles.yaml: cpu (default), gpu, quick")
+    ap.add_argument("--only", nargs="+", metavar="NN", help="run only these notebooks (number or stem)")
+    ap.add_argument("--notebooks-dir", type=Path, default=None, help=f"default {paths.NOTEBOOKS_DIR}")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help=f"where executed copies go (default {paths.BOOK_DIR / 'notebooks'})")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help=f"logs, failed copies, summary.json (default {paths.BUILD_DIR / 'regenerate'})")
+    ap.add_argument("--profiles", type=Path, default=None, dest="profiles_file",
+                    help="profiles file (default NOTEBOOKS_DIR/profiles.yaml)")
+    ap.add_argument("--figures-dir", type=Path, default=None,
+                    help="where the notebooks write figures/tables (exported as DISTLAB_FIGURES)")
+    ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                    help=f"per-notebook time limit in seconds (default {DEFAULT_TIMEOUT_S:g})")
+    ap.add_argument("--kernel", default=DEFAULT_KERNEL,
+                    help="Jupyter kernel name (default python3, this virtual environment's)")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="stream papermill's output (cell outputs included) instead of progress lines")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--reap"]:
+        cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        return reap_and_run(cmd)
+    args = _parser().parse_args(argv)
+    try:
+        results = regenerate(
+            profile=args.profile, only=args.only, notebooks_dir=args.notebooks_dir,
+            out_dir=args.out_dir, work_dir=args.work_dir, profiles_file=args.profiles_file,
+            figures_dir=args.figures_dir, timeout_s=args.timeout_s, kernel=args.kernel or None,
+            verbose=args.verbose,
+        )
+    except (KeyError, ValueError) as exc:
+        print(f"regenerate: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    bad = [r for r in results if not r.ok]
+    total = sum(r.elapsed_s for r in results)
+    print(f"regenerate: {len(results) - len(bad)} ok, {len(bad)} not ok "
+          f"(profile {args.profile}, {total:.1f}s)", flush=True)
+    if bad:
+        for r in bad:
+            print(f"\n{r.status.upper()}: {r.message}", file=sys.stderr)
+        print("\nThe failed notebooks were left out of the book input.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

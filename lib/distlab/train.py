@@ -1,0 +1,292 @@
+"""The one training loop. Strategies (single, ddp, fsdp, zero, pipeline) wrap it; nobody copies it.
+
+    python -m distlab.train --config lib/distlab/configs/tiny_lora.yaml [--set max_steps=50 ...]
+
+Loss normalisation: every optimizer step's loss is the sum of token losses over the whole global
+batch (all micro-batches, all ranks) divided by the number of label tokens in that global batch.
+That makes a step mathematically the same whatever the world size and accumulation split, which
+is what lets later chapters assert that 1 and 2 ranks produce the same loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import provenance
+from .config import TrainConfig, load_config, parse_override
+from .data import IGNORE_INDEX, SFTData, build_sft_data, model_inputs
+from .device import DeviceChoice, choose_device, peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
+from .metrics import StepLog, train_flops_per_token
+from .models import count_parameters, load_model, load_tokenizer
+from .strategies import Strategy, make_strategy
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+# Every forward passes use_cache=False: with a KV cache object present, transformers does not
+# derive the block-diagonal mask from restarting position ids, and packed rows would leak.
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross entropy over label tokens, in fp32."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def apply_lora(model, cfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class StepBatches:
+    """Which rows each rank uses at each optimizer step, with DistributedSampler underneath.
+
+    At step k the global batch is the k-th run of micro x accumulation x world rows of the
+    epoch's seeded permutation, whatever the world size, and rank r takes every world-th one
+    (DistributedSampler's rule). Epochs end at the last full step (the remainder is counted, not
+    silently mixed across epochs). The position is a small state dict for checkpoints."""
+
+    def __init__(self, n_items: int, micro: int, accum: int, world: int, rank: int, seed: int):
+        from torch.utils.data import DistributedSampler
+
+        per_step = micro * accum * world
+        if n_items < per_step:
+            raise ValueError(f"{n_items} training items cannot fill one global batch of {per_step} "
+                             f"(micro {micro} x accumulation {accum} x world {world})")
+        self.micro, self.accum = micro, accum
+        self.sampler = DistributedSampler(range(n_items), num_replicas=world, rank=rank, shuffle=True,
+                                          seed=seed, drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // (micro * accum)
+        self.dropped_per_epoch = n_items - self.steps_per_epoch * per_step
+        self.epoch, self.step_in_epoch = 0, 0
+        self._order: list[int] | None = None
+
+    def next_step(self) -> list[list[int]]:
+        if self.step_in_epoch == self.steps_per_epoch:
+            self.epoch, self.step_in_epoch, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            self.sampler.set_epoch(self.epoch)
+            self._order = list(self.sampler)
+        rows_per_step = self.micro * self.accum
+        start = self.step_in_epoch * rows_per_step
+        rows = self._order[start:start + rows_per_step]
+        self.step_in_epoch += 1
+        return [rows[i:i + self.micro] for i in range(0, rows_per_step, self.micro)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.step_in_epoch, self._order = state["epoch"], state["step_in_epoch"], None
+
+
+@torch.no_grad()
+def evaluate(model, data: SFTData, strategy: Strategy, choice: DeviceChoice, batch_size: int = 8) -> float:
+    """Token-weighted mean loss over the held-out rows (each data-parallel rank takes a share)."""
+    was_training = model.training
+    model.eval()
+    rows = list(range(strategy.data_parallel_rank, len(data), strategy.data_parallel_size))
+    totals = torch.zeros(2, dtype=torch.float64)
+    for i in range(0, len(rows), batch_size):
+        batch = data.batch(rows[i:i + batch_size])
+        inputs = model_inputs(batch, choice.device)
+        labels = inputs.pop("labels")
+        with torch.autocast(choice.device.type, dtype=choice.autocast_dtype, enabled=choice.autocast_dtype is not None):
+            logits = model(**inputs, use_cache=False).logits
+        totals[0] += float(causal_lm_loss_sum(logits, labels))
+        totals[1] += batch["n_label_tokens"]
+    totals = strategy.all_reduce_sum(totals.to(choice.device)).cpu()
+    model.train(was_training)
+    return float(totals[0] / totals[1])
+
+
+def forward_backward(model, micro_batches: list[dict[str, Any]], strategy: Strategy, choice: DeviceChoice,
+                     global_label_tokens: int) -> float:
+    """All micro-steps of one optimizer step; returns this rank's share of the step loss.
+
+    Each micro-batch's summed loss is divided by the global label-token count, then multiplied by
+    the data-parallel size because gradient sync averages over ranks."""
+    scale = strategy.data_parallel_size / global_label_tokens
+    local = 0.0
+    for i, batch in enumerate(micro_batches):
+        inputs = model_inputs(batch, choice.device)
+        labels = inputs.pop("labels")
+        with strategy.sync_context(model, sync=(i == len(micro_batches) - 1)):
+            with torch.autocast(choice.device.type, dtype=choice.autocast_dtype,
+                                enabled=choice.autocast_dtype is not None):
+                logits = model(**inputs, use_cache=False).logits
+            loss_sum = causal_lm_loss_sum(logits, labels)
+            strategy.backward(loss_sum * scale, model)
+        local += loss_sum.item() / global_label_tokens
+    return local
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    log_path: Path | None
+    eval_loss_before: float | None
+    eval_loss_after: float | None
+    final_loss: float
+    steps: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def _prepare(cfg: TrainConfig, strategy: Strategy):
+    choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
+    tokenizer = load_tokenizer(cfg.model)
+    train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
+    eval_data = build_sft_data(cfg.eval_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong) if cfg.eval_file else None
+    seed_everything(cfg.seed)  # the same initial LoRA weights on every rank and every world size
+    model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if cfg.lora:
+        model = apply_lora(model, cfg)
+    return choice, tokenizer, train_data, eval_data, model
+
+
+def train(cfg: TrainConfig, strategy: Strategy | None = None) -> TrainResult:
+    strategy = strategy or make_strategy(cfg.strategy)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    strategy.setup()
+    try:
+        return _train(cfg, strategy)
+    finally:
+        strategy.teardown()
+
+
+def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
+    out = Path(cfg.output_dir)
+    choice, tokenizer, train_data, eval_data, model = _prepare(cfg, strategy)
+    n_total, n_trainable = count_parameters(model)
+    model = strategy.wrap_model(model, choice)
+    optimizer = strategy.make_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    accum = cfg.micro_steps(strategy.data_parallel_size)
+    batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
+                          strategy.data_parallel_rank, cfg.seed)
+
+    base_config = strategy.unwrap(model).config
+    flops_per_token = train_flops_per_token(base_config, n_trainable, cfg.seq_len, full_finetune=not cfg.lora)
+    peak, peak_source = peak_flops(choice.device, choice.autocast_dtype or choice.dtype)
+    log = StepLog(out, strategy.rank)
+    run_info = {
+        "config": cfg.to_dict(), "strategy": strategy.name, "world_size": strategy.world_size,
+        "grad_accum": accum, "device": str(choice.device), "device_name": provenance.device_description(),
+        "dtype": str(choice.dtype), "autocast_dtype": str(choice.autocast_dtype),
+        "parameters": n_total, "trainable_parameters": n_trainable, "train_items": len(train_data),
+        "train_data": str(train_data.summary), "packing_fill": train_data.fill,
+        "steps_per_epoch": batches.steps_per_epoch, "rows_left_out_per_epoch": batches.dropped_per_epoch,
+        "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
+        "threads": torch.get_num_threads(),
+        "versions": provenance.package_versions(), "commit": provenance.git_commit(),
+    }
+    log.write("start", **run_info)
+    if strategy.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"[distlab] {strategy.name} x{strategy.world_size} on {choice.device} ({run_info['device_name']}): "
+              f"{n_total / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable; {train_data.summary}", flush=True)
+
+    eval_before = evaluate(model, eval_data, strategy, choice) if (eval_data and cfg.eval_at_start) else None
+    if eval_before is not None:
+        log.write("eval", step=0, eval_loss=eval_before)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.max_steps, desc="train", disable=not (strategy.is_main and cfg.progress),
+               mininterval=2.0, file=sys.stdout)
+    model.train()
+    reset_peak_memory(choice.device)
+    window: list[float] = []
+    loss = float("nan")
+    for step in range(1, cfg.max_steps + 1):
+        micro = [train_data.batch(rows) for rows in batches.next_step()]
+        synchronize(choice.device)
+        t0 = time.perf_counter()
+        counts = torch.tensor([sum(b["n_label_tokens"] for b in micro), sum(b["n_real_tokens"] for b in micro),
+                               sum(b["n_samples"] for b in micro)], dtype=torch.float64)
+        counts = strategy.all_reduce_sum(counts.to(choice.device)).cpu()
+        local_loss = forward_backward(model, micro, strategy, choice, int(counts[0]))
+        grad_norm = strategy.step(model, optimizer, scheduler, cfg.max_grad_norm)
+        loss = float(strategy.all_reduce_sum(torch.tensor([local_loss], dtype=torch.float64, device=choice.device)))
+        synchronize(choice.device)
+        step_time = time.perf_counter() - t0
+        window.append(step_time)
+        bar.update(1)
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            tokens_per_s = float(counts[1]) / step_time
+            record = dict(step=step, world_size=strategy.world_size, loss=loss,
+                          lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, step_time_s=step_time,
+                          mean_step_time_s=sum(window) / len(window), tokens=int(counts[1]),
+                          tokens_per_s=tokens_per_s, samples_per_s=float(counts[2]) / step_time,
+                          peak_mem_bytes=peak_memory_bytes(choice.device),
+                          mfu=tokens_per_s * flops_per_token / (peak * strategy.world_size),
+                          epoch=batches.epoch)
+            log.write("step", **record)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            window.clear()
+    bar.close()
+
+    eval_after = evaluate(model, eval_data, strategy, choice) if (eval_data and cfg.eval_at_end) else None
+    if eval_after is not None:
+        log.write("eval", step=cfg.max_steps, eval_loss=eval_after)
+    if cfg.save_model:
+        strategy.save_model(model, out / "model", tokenizer)
+    summary = {"final_loss": loss, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
+               "peak_mem_bytes": peak_memory_bytes(choice.device)}
+    log.write("end", **summary)
+    if strategy.is_main:
+        (out / "run_metadata.json").write_text(json.dumps({**run_info, **summary,
+                                                           "provenance": provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)},
+                                                          indent=2, default=str))
+    return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distlab.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML file of TrainConfig fields")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field (repeatable), e.g. --set max_steps=20")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, dict(parse_override(s) for s in args.set))
+    result = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"output_dir": str(result.output_dir), **result.summary}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

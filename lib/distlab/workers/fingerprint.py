@@ -1,0 +1,73 @@
+"""Every rank computes `envcheck.fingerprint()`; rank 0 gathers them and flags differences.
+
+Launched by `distlab.envcheck.run_fingerprint` (one node or several; see its docstring):
+
+    torchrun --standalone --nproc-per-node 2 -m distlab.workers.fingerprint --out fp.json
+
+Test knob: with DISTLAB_FINGERPRINT_FAKE_RANK1="field=value" (or just "value", meaning the
+torch version) rank 1 reports that value instead of its own, which must show up as a MISMATCH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distlab import envcheck
+
+
+def perturbed_for_test(fp: dict[str, str], rank: int) -> dict[str, str]:
+    fake = os.environ.get(envcheck.FAKE_RANK1_ENV)
+    if rank != 1 or not fake:
+        return fp
+    field, value = fake.split("=", 1) if "=" in fake else ("torch", fake)
+    return {**fp, field: value}
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width text table (rank 0's stdout is read in a terminal or a notebook log)."""
+    columns = list(rows[0])
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="JSON written by rank 0")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    args = ap.parse_args(argv)
+
+    if args.backend == "nccl":  # all_gather_object stages through the current CUDA device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        mine = perturbed_for_test(envcheck.fingerprint(), rank)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            rows = envcheck.compare_fingerprints(gathered)
+            print(format_table(rows), flush=True)
+            bad = [r["field"] for r in rows if r["MISMATCH"]]
+            print(f"fingerprint: {world} ranks, " + (f"MISMATCH in {', '.join(bad)}" if bad else "all must-match fields agree"),
+                  flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"world_size": world, "fingerprints": gathered, "rows": rows,
+                                       "mismatched_fields": bad}, indent=1) + "\n")
+            tmp.replace(args.out)  # the launcher never sees a half-written file
+        dist.barrier()  # nobody exits (and tears down the store) before rank 0 is done
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
