@@ -48,6 +48,12 @@ class TrainConfig:
     dtype: str = "auto"  # auto | fp32 | bf16-autocast | bf16 | fp16-autocast
     activation_checkpointing: bool = False
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
+    collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
+    measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)
+    # fault tolerance
+    checkpoint_steps: int = 0  # 0: no periodic checkpoints
+    keep_checkpoints: int = 2
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir, if any
     # outputs
     output_dir: str = str(RUNS_DIR / "default")
     logging_steps: int = 5

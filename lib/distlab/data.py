@@ -250,6 +250,18 @@ def encode_conversation(tokenizer, conv: Conversation) -> Example:
     return Example(list(enc["input_ids"]), labels, conv.where)
 
 
+def explain_example(tokenizer, conv: Conversation, learned: str = "\u2588") -> str:
+    """The rendered row with every token the loss is taken on wrapped in markers, for reading."""
+    ex = encode_conversation(tokenizer, conv)
+    out, inside = [], False
+    for tok, lab in zip(ex.input_ids, ex.labels):
+        if (lab != IGNORE_INDEX) != inside:
+            out.append(learned)
+            inside = not inside
+        out.append(tokenizer.decode([tok]))
+    return "".join(out) + (learned if inside else "")
+
+
 def tokenize_conversations(convs: Iterable[Conversation], tokenizer, seq_len: int,
                            overlong: str = "truncate") -> tuple[list[Example], LoadSummary]:
     """Encode, then apply the explicit policy to rows longer than seq_len (and count them)."""

@@ -16,7 +16,7 @@ import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import runner
 from .paths import RUNS_DIR
@@ -193,7 +193,8 @@ def report_table(report: Mapping[str, Any] | None = None):
         rows.append(("accelerator", "devices", "none (CPU only)"))
     for gpu in report["accelerators"]:
         rows.append(("accelerator", f"gpu{gpu['index']}",
-                     f"{gpu['name']} | {gpu['memory_gib']} GiB | {gpu['kind']} {gpu['runtime']} | sm {gpu['capability']}"))
+                     f"{gpu['name']} | {gpu['memory_gib']} GiB | {gpu['kind']} {gpu['runtime']}"
+                     f" | compute capability {gpu['capability']}"))
     rows += [("distributed", f"{b} available", ok) for b, ok in report["backends_available"].items()]
     rows.append(("distributed", "backend used here", report["backend_used_here"]))
     rows += [("cpu", k, v) for k, v in report["cpu"].items()]
@@ -256,7 +257,7 @@ def fingerprint_table(rows: Sequence[Mapping[str, Any]]):
 def run_fingerprint(nproc: int = 2, timeout_s: float = 120, nnodes: int = 1, node_rank: int = 0,
                     rdzv_endpoint: str | None = None, out_json: str | Path | None = None,
                     backend: str = "gloo", env: Mapping[str, str] | None = None,
-                    echo: bool = True):
+                    echo: bool | Callable[[str], None] = True):
     """Launch the fingerprint worker on `nproc` ranks per node and return rank 0's table.
 
     One machine (the default): `torchrun --standalone --nproc-per-node N -m
@@ -272,7 +273,7 @@ def run_fingerprint(nproc: int = 2, timeout_s: float = 120, nnodes: int = 1, nod
 
     (and `--node-rank 1` on the second machine). Pass `env={"GLOO_SOCKET_IFNAME": "eth0"}` to
     pin the network interface. Only global rank 0 (on node 0) writes the JSON, so the other
-    nodes get None back; their torchrun still exits 0 when every rank agreed to finish.
+    nodes get None back (their launch still fails loudly if any rank failed).
 
     The worker uses gloo by default even on GPU nodes: the point is to compare software before
     trusting NCCL, and gloo needs nothing but TCP.
@@ -280,8 +281,9 @@ def run_fingerprint(nproc: int = 2, timeout_s: float = 120, nnodes: int = 1, nod
     out_json = Path(out_json) if out_json else RUNS_DIR / "envcheck" / "fingerprint.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.unlink(missing_ok=True)  # a stale file must not pass for this run's result
-    cmd = runner.python_module_cmd("torch.distributed.run", *torchrun_args(nproc, nnodes, node_rank, rdzv_endpoint, "distlab-fp"),
-                                   "-m", "distlab.workers.fingerprint", "--out", str(out_json), "--backend", backend)
+    launch = torchrun_args(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_id="distlab-fp")
+    cmd = runner.python_module_cmd("torch.distributed.run", *launch, "-m", "distlab.workers.fingerprint",
+                                   "--out", str(out_json), "--backend", backend)
     runner.run(cmd, timeout_s=timeout_s, env=worker_env(env), echo=echo,
                log_path=out_json.with_suffix(".log"))
     if not out_json.exists():

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -133,14 +133,18 @@ def memory_rows(device: str = "auto", nbytes: int | None = None) -> list[dict[st
 def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZES_KIB, timeout_s: float = 300,
                         device: str = "auto", seconds_per_size: float = 0.25, max_iters: int = 1000,
                         out_json: str | Path | None = None, env: Mapping[str, str] | None = None,
-                        echo: bool = True):
+                        echo: bool | Callable[[str], None] = True):
     """Launch distlab.workers.allreduce_bench on `nproc` local ranks; one row per message size.
 
-    gloo with one thread per rank on CPU, nccl on GPU. Columns: size_bytes, count, iters,
-    time_us, algbw_GBps, busbw_GBps, backend, world_size."""
+    gloo with one thread per rank on CPU, nccl when there is a GPU per rank (allreduce_backend).
+    Columns: size_bytes, count, iters, time_us, algbw_GBps, busbw_GBps, backend, world_size."""
     import pandas as pd
 
-    backend = "nccl" if resolve_device(device) == "cuda" else "gloo"
+    backend = allreduce_backend(device, nproc)
+    if echo and backend == "gloo" and resolve_device(device) == "cuda":
+        (echo if callable(echo) else print)(
+            f"{torch.cuda.device_count()} GPU(s) for {nproc} ranks: NCCL needs one GPU per rank, "
+            "so this measures CPU ranks with gloo")
     out_json = Path(out_json) if out_json else RUNS_DIR / "envcheck" / "allreduce.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.unlink(missing_ok=True)  # a stale file must not pass for this run's result
@@ -154,6 +158,13 @@ def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZ
     df["backend"] = result["backend"]
     df["world_size"] = result["world_size"]
     return df
+
+
+def allreduce_backend(device: str, nproc: int) -> str:
+    """nccl when every rank can have its own GPU, else gloo on CPU (a 1-GPU node still gets a number)."""
+    if resolve_device(device) == "cuda" and torch.cuda.device_count() >= nproc:
+        return "nccl"
+    return "gloo"
 
 
 def allreduce_rows(sweep) -> list[dict[str, Any]]:

@@ -43,6 +43,11 @@ class StepLog:
             self.path = out / ("train_log.jsonl" if rank == 0 else f"train_log.rank{rank}.jsonl")
             self.path.write_text("")
 
+    def restore(self, saved: Path) -> None:
+        """Continue from a checkpoint's copy of the rank-0 log (other ranks start a new segment)."""
+        if self.path is not None and self.rank == 0 and saved.exists():
+            self.path.write_text(saved.read_text())
+
     def write(self, event: str, **fields: Any) -> None:
         if self.path is None:
             return

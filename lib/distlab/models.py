@@ -21,7 +21,7 @@ import torch
 from .paths import MODEL_CACHE, TRAIN_FILE
 
 DEFAULT_MODEL = "distlab-tiny"
-BUILD_RECIPE_VERSION = 1  # bump when the recipe below changes, so cached builds are rebuilt
+BUILD_RECIPE_VERSION = 2  # bump when the recipe below changes, so cached builds are rebuilt
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2 uses: each turn is <|im_start|>role\ncontent<|im_end|>\n. Rendering is
@@ -33,9 +33,13 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# initializer_range 0.1 (HF's default is 0.02): LoRA leaves the embeddings and the tied LM head
+# frozen at their random init, and with std 0.02 their logits span too small a range for the
+# adapters to ever become confident. Measured here: 80 LoRA steps take held-out loss from 9.1 to
+# 4.4 with 0.1, but only from 7.8 to 6.9 with 0.02.
 TINY_QWEN2 = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6)
+                  tie_word_embeddings=True, rms_norm_eps=1e-6, initializer_range=0.1)
 # Shape of Qwen2.5-0.5B (from its published config), for random-init throughput runs on GPUs:
 # the same compute per token as the real model, no weights needed.
 QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -172,3 +176,38 @@ def count_parameters(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
+
+
+class CausalLMWithLoss(torch.nn.Module):
+    """A causal LM whose forward returns the summed next-token loss over label tokens only.
+
+    The LM head runs only on positions whose next token is a label: prompt tokens (a third of our
+    data, often more) never pay for the vocabulary projection, and the full (tokens x vocab)
+    logits are never materialised, which matters for 150k-token vocabularies on GPUs. Strategies
+    wrap this module, so DDP/FSDP see one forward that does everything the step needs.
+
+    Works for models whose head is a plain linear layer on the decoder output (Llama, Qwen2,
+    Mistral...). Models that post-process logits (e.g. Gemma's soft-capping) need the full
+    forward instead."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def causal_lm(self):
+        """The transformers model inside (under a PEFT wrapper, with its adapters injected)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    def forward(self, input_ids, labels, position_ids=None, attention_mask=None):
+        from .data import IGNORE_INDEX
+
+        causal = self.causal_lm
+        # use_cache=False: with a cache object present, transformers does not derive the
+        # block-diagonal mask from restarting position ids, and packed rows would leak.
+        hidden = causal.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                      attention_mask=attention_mask, use_cache=False).last_hidden_state
+        targets = labels[:, 1:]
+        keep = targets != IGNORE_INDEX
+        logits = causal.get_output_embeddings()(hidden[:, :-1][keep])
+        return torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="sum")

@@ -192,7 +192,6 @@ class UtilizationSampler:
         return False  # the caller's exception, if any, goes on
 
     def start(self) -> None:
-        self.csv_path.parent.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="UtilizationSampler", daemon=True)
@@ -207,6 +206,7 @@ class UtilizationSampler:
 
     def _loop(self) -> None:
         try:
+            self.csv_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.csv_path, "w", newline="", encoding="utf-8") as f:
                 out = csv.DictWriter(f, fieldnames=FIELDS)
                 out.writeheader()

@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
 DEFAULT_PROFILE = "cpu"
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_KERNEL = "python3"
-HEARTBEAT_S = 60.0  # a "still running" line at most this often while a notebook runs
+HEARTBEAT_S = 60.0  # a "still running" line this often while a notebook runs
 
 # papermill tags: the cell it injects with the parameters, and the two cells it adds on an error.
 INJECTED_TAG = "injected-parameters"
@@ -314,38 +315,47 @@ def reap_and_run(cmd: Sequence[str]) -> int:
 
 
 class _Progress:
-    """Turns papermill's log lines into a terse progress display; everything goes to the log."""
+    """Turns papermill's log lines into a terse progress display (the log file gets everything):
+    one line per notebook, plus a "still running" line every HEARTBEAT_S while it runs."""
 
-    def __init__(self, label: str, stream: TextIO, verbose: bool):
-        self.label, self.stream, self.verbose = label, stream, verbose
+    def __init__(self, label: str, stream: TextIO, verbose: bool, heartbeat_s: float = HEARTBEAT_S,
+                 cell_name: Callable[[int], str] = lambda i: f"cell {i}"):
+        self.label, self.stream, self.verbose, self.heartbeat_s = label, stream, verbose, heartbeat_s
+        self.cell_name = cell_name
         self.start = time.monotonic()
         self.cell: int | None = None
-        self.last_beat = self.start
         self.line_open = False
         self.ignored: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
 
     def open(self) -> None:
-        self.stream.write(f"{self.label} ...")
-        self.stream.flush()
-        self.line_open = True
+        with self._lock:
+            self.stream.write(f"{self.label} ...")
+            self.stream.flush()
+            self.line_open = True
+        self._beat.start()
 
     def __call__(self, line: str) -> None:
         if (m := _CELL_START_RE.match(line)):
-            self.cell = int(m.group(1))
+            self.cell = int(m.group(1)) - 1  # papermill counts from 1 in the executed copy
         if (m := _UNKNOWN_PARAM_RE.search(line)) and m.group(1) not in self.ignored:
             self.ignored.append(m.group(1))
         if self.verbose:
-            self._break_line()
-            self.stream.write(f"    | {line}\n")
-            self.stream.flush()
-            return
-        now = time.monotonic()
-        if now - self.last_beat >= HEARTBEAT_S:
-            self.last_beat = now
-            self._break_line()
-            where = f"cell {self.cell}" if self.cell is not None else "starting"
-            self.stream.write(f"      ... {where}, {now - self.start:.0f}s\n")
-            self.stream.flush()
+            with self._lock:
+                self._break_line()
+                self.stream.write(f"    | {line}\n")
+                self.stream.flush()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with self._lock:
+                self._break_line()
+                where = self.cell_name(self.cell) if self.cell is not None else "starting the kernel"
+                self.stream.write(f"      ... {self.label.split('] ', 1)[-1]}: {where}, "
+                                  f"{time.monotonic() - self.start:.0f}s\n")
+                self.stream.flush()
 
     def _break_line(self) -> None:
         if self.line_open:
@@ -353,10 +363,37 @@ class _Progress:
             self.line_open = False
 
     def close(self, verdict: str) -> None:
-        text = verdict if self.line_open else f"{self.label} ... {verdict}"
-        self.stream.write((" " if self.line_open else "") + text + "\n")
-        self.stream.flush()
-        self.line_open = False
+        self._stop.set()
+        with self._lock:
+            if self.line_open:
+                self.stream.write(f" {verdict}\n")
+            else:
+                self.stream.write(f"{self.label} ... {verdict}\n")
+            self.stream.flush()
+            self.line_open = False
+
+
+def source_cell_namer(notebook: str | Path, parameters: dict[str, Any] | None) -> Callable[[int], str]:
+    """Map a cell index of the executed copy to a name in the source notebook's numbering
+    (papermill inserts its parameters cell after the one tagged "parameters", or first)."""
+    import nbformat
+
+    try:
+        cells = nbformat.read(str(notebook), as_version=4).cells
+    except Exception:
+        return lambda i: f"cell {i}"
+    injected = None
+    if parameters:
+        tagged = [i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", [])]
+        injected = tagged[0] + 1 if tagged else 0
+
+    def name(i: int) -> str:
+        if injected is not None and i == injected:
+            return "the injected parameters"
+        src = i - 1 if injected is not None and i > injected else i
+        return f"cell {src} (of {len(cells)})"
+
+    return name
 
 
 def papermill_cmd(notebook: Path, output: Path, *, params_file: Path | None, cwd: Path,
@@ -458,12 +495,17 @@ def regenerate(
         params = parameters_for(profiles, profile, nb)
         executing = work_dir / "executing" / nb.name
         log_path = work_dir / "logs" / f"{nb.stem}.log"
-        progress = _Progress(f"[{i}/{len(notebooks)}] {nb.stem}", stream, verbose)
+        progress = _Progress(f"[{i}/{len(notebooks)}] {nb.stem}", stream, verbose,
+                             cell_name=source_cell_namer(nb, params))
         progress.open()
-        run, failure = run_notebook(
-            nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s,
-            log_path=log_path, env=env, kernel=kernel, echo=progress, params_dir=work_dir / "params",
-        )
+        try:
+            run, failure = run_notebook(
+                nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s,
+                log_path=log_path, env=env, kernel=kernel, echo=progress, params_dir=work_dir / "params",
+            )
+        except BaseException:
+            progress.close("interrupted")
+            raise
         res = NotebookResult(
             name=nb.stem, source=str(nb), status="ok", elapsed_s=round(run.elapsed_s, 1),
             executed=None, log=str(log_path), parameters=params,
@@ -574,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyError, ValueError) as exc:
         print(f"regenerate: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nregenerate: interrupted (the running notebook was killed as a group)", file=sys.stderr)
+        return 130
     bad = [r for r in results if not r.ok]
     total = sum(r.elapsed_s for r in results)
     print(f"regenerate: {len(results) - len(bad)} ok, {len(bad)} not ok "

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import provenance
+from . import checkpoint, faults, provenance
 from .config import TrainConfig, load_config, parse_override
 from .data import IGNORE_INDEX, SFTData, build_sft_data, model_inputs
 from .device import DeviceChoice, choose_device, peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
 from .metrics import StepLog, train_flops_per_token
-from .models import count_parameters, load_model, load_tokenizer
+from .models import CausalLMWithLoss, count_parameters, load_model, load_tokenizer
 from .strategies import Strategy, make_strategy
 
 
@@ -38,10 +38,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-# Every forward passes use_cache=False: with a KV cache object present, transformers does not
-# derive the block-diagonal mask from restarting position ids, and packed rows would leak.
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -119,15 +115,16 @@ def evaluate(model, data: SFTData, strategy: Strategy, choice: DeviceChoice, bat
     totals = torch.zeros(2, dtype=torch.float64)
     for i in range(0, len(rows), batch_size):
         batch = data.batch(rows[i:i + batch_size])
-        inputs = model_inputs(batch, choice.device)
-        labels = inputs.pop("labels")
-        with torch.autocast(choice.device.type, dtype=choice.autocast_dtype, enabled=choice.autocast_dtype is not None):
-            logits = model(**inputs, use_cache=False).logits
-        totals[0] += float(causal_lm_loss_sum(logits, labels))
+        with _autocast(choice):
+            totals[0] += float(model(**model_inputs(batch, choice.device)))
         totals[1] += batch["n_label_tokens"]
     totals = strategy.all_reduce_sum(totals.to(choice.device)).cpu()
     model.train(was_training)
     return float(totals[0] / totals[1])
+
+
+def _autocast(choice: DeviceChoice):
+    return torch.autocast(choice.device.type, dtype=choice.autocast_dtype, enabled=choice.autocast_dtype is not None)
 
 
 def forward_backward(model, micro_batches: list[dict[str, Any]], strategy: Strategy, choice: DeviceChoice,
@@ -139,13 +136,9 @@ def forward_backward(model, micro_batches: list[dict[str, Any]], strategy: Strat
     scale = strategy.data_parallel_size / global_label_tokens
     local = 0.0
     for i, batch in enumerate(micro_batches):
-        inputs = model_inputs(batch, choice.device)
-        labels = inputs.pop("labels")
         with strategy.sync_context(model, sync=(i == len(micro_batches) - 1)):
-            with torch.autocast(choice.device.type, dtype=choice.autocast_dtype,
-                                enabled=choice.autocast_dtype is not None):
-                logits = model(**inputs, use_cache=False).logits
-            loss_sum = causal_lm_loss_sum(logits, labels)
+            with _autocast(choice):
+                loss_sum = model(**model_inputs(batch, choice.device))
             strategy.backward(loss_sum * scale, model)
         local += loss_sum.item() / global_label_tokens
     return local
@@ -159,10 +152,12 @@ class TrainResult:
     eval_loss_after: float | None
     final_loss: float
     steps: int
+    resumed_from: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
 
 
 def _prepare(cfg: TrainConfig, strategy: Strategy):
+    """Tokenizer, data and the loss-computing model, identical on every rank and world size."""
     choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
     tokenizer = load_tokenizer(cfg.model)
     train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
@@ -174,18 +169,33 @@ def _prepare(cfg: TrainConfig, strategy: Strategy):
     model.config.use_cache = False
     if cfg.lora:
         model = apply_lora(model, cfg)
-    return choice, tokenizer, train_data, eval_data, model
+    return choice, tokenizer, train_data, eval_data, CausalLMWithLoss(model)
 
 
 def train(cfg: TrainConfig, strategy: Strategy | None = None) -> TrainResult:
     strategy = strategy or make_strategy(cfg.strategy)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    strategy.setup()
+    strategy.setup(cfg)
     try:
         return _train(cfg, strategy)
     finally:
         strategy.teardown()
+
+
+def _resume(cfg, strategy, model, optimizer, scheduler, batches, log: StepLog) -> int:
+    """Load the newest complete checkpoint, if resuming is on and there is one; return its step."""
+    path = checkpoint.latest(cfg.output_dir) if cfg.resume else None
+    if path is None:
+        return 0
+    step, saved_log = checkpoint.load(path, strategy, model, optimizer, scheduler, batches)
+    # The log continues from the checkpoint: records of steps after it (written before the crash)
+    # are dropped, so every step appears once, as the resumed run computed it.
+    log.restore(saved_log)
+    log.write("resume", step=step, checkpoint=str(path))
+    if strategy.is_main:
+        print(f"[distlab] resumed from {path} (step {step})", flush=True)
+    return step
 
 
 def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
@@ -198,11 +208,14 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     accum = cfg.micro_steps(strategy.data_parallel_size)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed)
+    if strategy.is_main:
+        checkpoint.clean_partial(out)
+    strategy.barrier()
 
-    base_config = strategy.unwrap(model).config
+    base_config = strategy.unwrap(model).causal_lm.config
     flops_per_token = train_flops_per_token(base_config, n_trainable, cfg.seq_len, full_finetune=not cfg.lora)
     peak, peak_source = peak_flops(choice.device, choice.autocast_dtype or choice.dtype)
-    log = StepLog(out, strategy.rank)
+    log = StepLog(out, strategy.rank, all_ranks=strategy.world_size > 1)
     run_info = {
         "config": cfg.to_dict(), "strategy": strategy.name, "world_size": strategy.world_size,
         "grad_accum": accum, "device": str(choice.device), "device_name": provenance.device_description(),
@@ -211,28 +224,30 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         "train_data": str(train_data.summary), "packing_fill": train_data.fill,
         "steps_per_epoch": batches.steps_per_epoch, "rows_left_out_per_epoch": batches.dropped_per_epoch,
         "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "versions": provenance.package_versions(), "commit": provenance.git_commit(),
     }
-    log.write("start", **run_info)
+    first_step = _resume(cfg, strategy, model, optimizer, scheduler, batches, log) + 1
+    if first_step == 1:
+        log.write("start", **run_info)
     if strategy.is_main:
-        out.mkdir(parents=True, exist_ok=True)
         print(f"[distlab] {strategy.name} x{strategy.world_size} on {choice.device} ({run_info['device_name']}): "
               f"{n_total / 1e6:.2f}M parameters, {n_trainable / 1e6:.3f}M trainable; {train_data.summary}", flush=True)
 
-    eval_before = evaluate(model, eval_data, strategy, choice) if (eval_data and cfg.eval_at_start) else None
-    if eval_before is not None:
+    eval_before = None
+    if eval_data and cfg.eval_at_start and first_step == 1:
+        eval_before = evaluate(model, eval_data, strategy, choice)
         log.write("eval", step=0, eval_loss=eval_before)
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_steps, desc="train", disable=not (strategy.is_main and cfg.progress),
-               mininterval=2.0, file=sys.stdout)
+    bar = tqdm(total=cfg.max_steps, initial=first_step - 1, desc="train", mininterval=2.0, file=sys.stdout,
+               disable=not (strategy.is_main and cfg.progress))
     model.train()
     reset_peak_memory(choice.device)
     window: list[float] = []
     loss = float("nan")
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(first_step, cfg.max_steps + 1):
         micro = [train_data.batch(rows) for rows in batches.next_step()]
         synchronize(choice.device)
         t0 = time.perf_counter()
@@ -244,8 +259,10 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         loss = float(strategy.all_reduce_sum(torch.tensor([local_loss], dtype=torch.float64, device=choice.device)))
         synchronize(choice.device)
         step_time = time.perf_counter() - t0
+        comm = strategy.comm_stats()
         window.append(step_time)
         bar.update(1)
+        faults.after_step(step, strategy.rank)
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             tokens_per_s = float(counts[1]) / step_time
             record = dict(step=step, world_size=strategy.world_size, loss=loss,
@@ -254,10 +271,12 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
                           tokens_per_s=tokens_per_s, samples_per_s=float(counts[2]) / step_time,
                           peak_mem_bytes=peak_memory_bytes(choice.device),
                           mfu=tokens_per_s * flops_per_token / (peak * strategy.world_size),
-                          epoch=batches.epoch)
+                          epoch=batches.epoch, **comm)
             log.write("step", **record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             window.clear()
+        if cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 and step < cfg.max_steps:
+            checkpoint.save(out, step, strategy, model, optimizer, scheduler, batches, log.path, cfg.keep_checkpoints)
     bar.close()
 
     eval_after = evaluate(model, eval_data, strategy, choice) if (eval_data and cfg.eval_at_end) else None
@@ -269,10 +288,10 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
                "peak_mem_bytes": peak_memory_bytes(choice.device)}
     log.write("end", **summary)
     if strategy.is_main:
-        (out / "run_metadata.json").write_text(json.dumps({**run_info, **summary,
-                                                           "provenance": provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)},
+        stamp = provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)
+        (out / "run_metadata.json").write_text(json.dumps({**run_info, **summary, "provenance": stamp},
                                                           indent=2, default=str))
-    return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, summary)
+    return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, first_step - 1, summary)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,9 +5,10 @@ override only the hooks that differ (wrapping, gradient sync, optimizer step, sa
 
 from __future__ import annotations
 
+from .ddp import DDPStrategy
 from .single import SingleDevice, Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDevice}
+STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDevice, "ddp": DDPStrategy}
 
 
 def make_strategy(name: str) -> Strategy:

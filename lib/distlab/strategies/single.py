@@ -19,7 +19,7 @@ class Strategy:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
 
     # --- process group
-    def setup(self) -> None:
+    def setup(self, cfg) -> None:
         """Join the process group (no-op on one device)."""
 
     def teardown(self) -> None:
@@ -69,6 +69,10 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
+    def comm_stats(self) -> dict[str, float]:
+        """Communication time and bytes since the last call, where the strategy measures them."""
+        return {}
+
     # --- collectives (identity on one rank)
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -78,11 +82,31 @@ class Strategy:
 
     # --- saving
     def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
+        """The adapter (LoRA) or the whole model, loadable with from_pretrained."""
         if self.is_main:
-            self.unwrap(model).save_pretrained(path)
+            self.unwrap(model).lm.save_pretrained(path)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
         self.barrier()
+
+    def save_training_state(self, model, optimizer, path: Path) -> None:
+        """Trained weights and optimizer state for a checkpoint (replicated: the main rank writes)."""
+        if self.is_main:
+            trained = {n: p.detach().cpu() for n, p in self.unwrap(model).named_parameters() if p.requires_grad}
+            torch.save({"model": trained, "optimizer": optimizer.state_dict()}, path / "training_state.pt")
+
+    def load_training_state(self, model, optimizer, path: Path) -> None:
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+        params = dict(self.unwrap(model).named_parameters())
+        missing = sorted(n for n, p in params.items() if p.requires_grad and n not in state["model"])
+        unexpected = sorted(set(state["model"]) - set(params))
+        if missing or unexpected:
+            raise RuntimeError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]})")
+        with torch.no_grad():
+            for name, tensor in state["model"].items():
+                params[name].copy_(tensor)
+        optimizer.load_state_dict(state["optimizer"])
 
 
 class SingleDevice(Strategy):

@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         results = []
         if comm.rank == 0:
-            print(f"{'size(B)':>12} {'count':>10} {'iters':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
-                  flush=True)
+            print(f"{'size(B)':>12} {'count':>10} {'iters':>6} {'time(us)':>10} "
+                  f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}", flush=True)
         for kib in (float(s) for s in args.sizes_kib.split(",") if s.strip()):
             r = time_size(comm, int(kib * 1024), DTYPES[args.dtype], args.warmup,
                           args.seconds_per_size, args.min_iters, args.max_iters)

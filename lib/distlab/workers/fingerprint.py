@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = envcheck.compare_fingerprints(gathered)
             print(format_table(rows), flush=True)
             bad = [r["field"] for r in rows if r["MISMATCH"]]
-            print(f"fingerprint: {world} ranks, " + (f"MISMATCH in {', '.join(bad)}" if bad else "all must-match fields agree"),
-                  flush=True)
+            verdict = f"MISMATCH in {', '.join(bad)}" if bad else "all must-match fields agree"
+            print(f"fingerprint: {world} ranks, {verdict}", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             tmp = args.out.with_suffix(".tmp")
             tmp.write_text(json.dumps({"world_size": world, "fingerprints": gathered, "rows": rows,

@@ -1,0 +1,188 @@
+"""Notebook 00's library: environment report, cross-rank fingerprint, device limits, sampler."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from distlab import envcheck, limits, monitor, runner
+
+TINY_SIZES_KIB = [4, 64]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One short all-reduce run shared by the tests that only read its result."""
+    out = tmp_path_factory.mktemp("allreduce") / "allreduce.json"
+    return limits.run_allreduce_bench(nproc=2, sizes_kib=TINY_SIZES_KIB, timeout_s=90,
+                                      seconds_per_size=0.05, out_json=out, echo=False)
+
+
+# ---------------------------------------------------------------- environment report
+
+def test_environment_report_fields():
+    report = envcheck.environment_report()
+    assert {"versions", "accelerators", "backends_available", "backend_used_here", "cpu"} <= set(report)
+    assert report["versions"]["torch"].startswith("2.")
+    assert report["versions"]["python"].count(".") == 2
+    assert set(report["backends_available"]) == {"nccl", "gloo", "mpi"}
+    assert report["backends_available"]["gloo"]
+    has_gpu = bool(report["accelerators"])
+    assert report["backend_used_here"] == ("nccl" if has_gpu else "gloo")
+    assert report["cpu"]["usable_cores"] >= 1 and report["cpu"]["ram_total_gib"] > 0
+    table = envcheck.report_table(report)
+    assert list(table.columns) == ["section", "item", "value"]
+    assert "torch" in set(table["item"])
+
+
+def test_report_does_not_import_deepspeed():
+    # In a fresh interpreter: another test may have imported it into this one.
+    code = ("import sys; from distlab import envcheck; envcheck.environment_report(); "
+            "envcheck.fingerprint(); assert 'deepspeed' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---------------------------------------------------------------- fingerprint
+
+def test_compare_fingerprints_separates_mismatch_from_node_identity():
+    a = {"torch": "2.13.0", "hostname": "node0"}
+    b = {"torch": "2.12.0", "hostname": "node1"}
+    rows = {r["field"]: r for r in envcheck.compare_fingerprints([a, b])}
+    assert rows["torch"]["MISMATCH"] and rows["torch"]["differs"]
+    assert rows["hostname"]["differs"] and not rows["hostname"]["MISMATCH"]
+    assert rows["torch"]["rank1"] == "2.12.0"
+
+
+def test_fingerprint_agrees_across_two_ranks(tmp_path):
+    df = envcheck.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", echo=False)
+    assert {"field", "rank0", "rank1", "MISMATCH"} <= set(df.columns)
+    assert not df["MISMATCH"].any(), df[df["MISMATCH"]]
+    torch_row = df.set_index("field").loc["torch"]
+    assert torch_row["rank0"] == torch_row["rank1"] == envcheck.fingerprint()["torch"]
+
+
+def test_fake_perturbation_on_rank1_is_flagged(tmp_path):
+    env = {envcheck.FAKE_RANK1_ENV: "peft=0.0.0-fake"}
+    df = envcheck.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", env=env, echo=False)
+    flagged = df[df["MISMATCH"]]
+    assert list(flagged["field"]) == ["peft"]
+    assert flagged["rank1"].iloc[0] == "0.0.0-fake"
+
+
+# ---------------------------------------------------------------- limits
+
+def test_allreduce_bench_busbw(sweep):
+    assert list(sweep["size_bytes"]) == [kib * 1024 for kib in TINY_SIZES_KIB]
+    assert (sweep["busbw_GBps"] > 0).all() and (sweep["iters"] >= 1).all()
+    n = sweep["world_size"].iloc[0]
+    assert n == 2
+    expected = sweep["algbw_GBps"] * 2 * (n - 1) / n
+    assert ((sweep["busbw_GBps"] - expected).abs() <= 1e-9 * expected).all()
+    # algbw is bytes over the measured time per op
+    recomputed = sweep["size_bytes"] / (sweep["time_us"] * 1e-6) / 1e9
+    assert ((sweep["algbw_GBps"] - recomputed).abs() <= 1e-6 * recomputed).all()
+
+
+def test_limits_table_round_trips(sweep, tmp_path):
+    table = limits.measure_device_limits("cpu", matmul_seconds=0.05, allreduce=sweep, memory_bytes=8 * 2**20)
+    assert set(table["metric"]) == {"matmul", "memory_bandwidth", "allreduce_busbw", "allreduce_latency"}
+    assert (table["value"] > 0).all()
+    path = limits.save_device_limits(table, tmp_path)
+    assert path == tmp_path / "device_limits.csv"
+    assert (tmp_path / "device_limits.csv.provenance.json").exists()
+    back = limits.load_device_limits(tmp_path)
+    assert list(back["metric"]) == list(table["metric"])
+    assert back["value"].tolist() == pytest.approx(table["value"].tolist())
+    assert limits.lookup(back, "matmul", workers=1) == pytest.approx(limits.lookup(table, "matmul", workers=1))
+
+
+def test_loading_missing_limits_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        limits.load_device_limits(tmp_path)
+    assert str(tmp_path / "device_limits.csv") in str(err.value)
+    assert "00_environment_check" in str(err.value)
+
+
+def test_timed_out_launch_leaves_no_process(tmp_path):
+    seen_pids: list[int] = []
+
+    def collect(line: str) -> None:
+        m = re.search(r"allreduce_bench: rank \d+/\d+ pid (\d+)", line)
+        if m:
+            seen_pids.append(int(m.group(1)))
+
+    with pytest.raises(runner.RunFailed) as err:
+        limits.run_allreduce_bench(nproc=2, sizes_kib=[4], timeout_s=8, seconds_per_size=600,
+                                   max_iters=10**9, out_json=tmp_path / "ar.json", echo=collect)
+    assert err.value.result.timed_out
+    assert seen_pids, "the ranks never started, so the test proved nothing"
+    survivors = [pid for pid in seen_pids if _alive(pid)]
+    assert not survivors
+    workers = [p for p in psutil.Process().children(recursive=True) if _is_worker(p)]
+    assert not workers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _is_worker(p) -> bool:
+    try:
+        return any("distlab.workers" in c or "torch.distributed.run" in c for c in p.cmdline())
+    except psutil.Error:
+        return False
+
+
+# ---------------------------------------------------------------- sampler
+
+BURN = """
+import time
+ballast = bytearray(80 * 2**20)  # RSS the sampler must see
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 1.5:
+    pass
+"""
+
+
+def test_sampler_records_a_busy_child(tmp_path):
+    csv_path = tmp_path / "util.csv"
+    with monitor.UtilizationSampler(csv_path, interval_s=0.2, pids="children", source="process") as sampler:
+        child = subprocess.Popen([sys.executable, "-c", BURN])
+        child.wait(timeout=30)
+    assert not sampler.errors
+    import pandas as pd
+
+    df = pd.read_csv(csv_path, dtype={"id": str})
+    mine = df[df["id"] == str(child.pid)]
+    assert len(mine) >= 2
+    assert mine["util_pct"].max() > 30  # a busy loop holds most of one core
+    assert mine["mem_mib"].max() > 70
+
+
+def test_sampler_never_raises_into_the_caller(tmp_path):
+    # An unwritable path: the sampler notes the problem, the caller's block still runs.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with monitor.UtilizationSampler(blocker / "sub" / "util.csv", interval_s=0.05, source="process") as s:
+        time.sleep(0.1)
+    assert s.errors
+
+
+def test_gpu_tool_output_is_parsed():
+    # No GPU here: check the parsers on the tools' documented output formats instead.
+    nvidia = monitor._parse_nvidia("0, NVIDIA H100 80GB HBM3, 87, 40321\n1, NVIDIA H100 80GB HBM3, [N/A], 12\n")
+    assert [r["util_pct"] for r in nvidia][0] == 87 and nvidia[1]["mem_mib"] == 12
+    assert nvidia[1]["util_pct"] != nvidia[1]["util_pct"]  # NaN for [N/A]
+    rocm = monitor._parse_rocm('{"card0": {"GPU use (%)": "55", "VRAM Total Memory (B)": "68702699520", '
+                               '"VRAM Total Used Memory (B)": "1073741824"}, "system": {}}')
+    assert rocm == [{"id": "0", "label": "gpu0", "util_pct": 55.0, "mem_mib": 1024.0}]

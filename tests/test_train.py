@@ -1,0 +1,116 @@
+"""The one training loop on one device: it learns, logs what it promises, saves, and splits batches exactly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distlab.config import TrainConfig, load_config
+from distlab.metrics import read_log
+from distlab.train import StepBatches, train
+
+QUICK = dict(max_steps=8, seq_len=256, micro_batch_size=2, logging_steps=2, lr=1e-2, warmup_steps=2,
+             num_threads=1, progress=False)
+STEP_FIELDS = {"step", "world_size", "loss", "lr", "step_time_s", "tokens_per_s", "samples_per_s",
+               "peak_mem_bytes", "mfu", "grad_norm"}
+
+
+def test_lora_run_learns_logs_and_saves(tmp_path):
+    result = train(TrainConfig(**QUICK, output_dir=str(tmp_path)))
+    assert result.eval_loss_after < result.eval_loss_before
+    steps = read_log(result.log_path)
+    assert [s["step"] for s in steps] == [2, 4, 6, 8]
+    for s in steps:
+        assert STEP_FIELDS <= set(s)
+        assert s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0 and 0 < s["mfu"] < 1
+    events = [r["event"] for r in read_log(result.log_path, event=None)]
+    assert events[0] == "start" and events[-1] == "end" and events.count("eval") == 2
+    meta = json.loads((tmp_path / "run_metadata.json").read_text())
+    assert meta["config"]["lora_r"] == 16 and meta["versions"]["torch"].startswith("2.13")
+    assert {"device", "commit", "date", "model", "world_size"} <= set(meta["provenance"])
+    assert (tmp_path / "model" / "adapter_config.json").exists()
+
+
+def test_saved_adapter_reloads_with_the_same_eval_loss(tmp_path):
+    from peft import PeftModel
+
+    from distlab.data import build_sft_data
+    from distlab.device import choose_device
+    from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+    from distlab.strategies import make_strategy
+    from distlab.train import evaluate
+
+    cfg = TrainConfig(**QUICK, output_dir=str(tmp_path), eval_at_start=False)
+    result = train(cfg)
+    model = CausalLMWithLoss(PeftModel.from_pretrained(load_model(None), tmp_path / "model"))
+    data = build_sft_data(cfg.eval_file, load_tokenizer(None), cfg.seq_len)
+    loss = evaluate(model, data, make_strategy("single"), choose_device("cpu", "fp32"))
+    assert loss == pytest.approx(result.eval_loss_after, abs=1e-5)
+
+
+def test_accumulation_split_does_not_change_the_step():
+    """micro 4 x accumulation 1 and micro 2 x accumulation 2 are the same optimizer step."""
+    common = dict(QUICK, max_steps=4, logging_steps=1, lora_dropout=0.0, eval_file=None, save_model=False)
+    a = read_log(train(TrainConfig(**{**common, "micro_batch_size": 4}, output_dir="build/test-runs/acc1")).log_path)
+    b = read_log(train(TrainConfig(**{**common, "micro_batch_size": 2, "grad_accum": 2},
+                                   output_dir="build/test-runs/acc2")).log_path)
+    assert [s["loss"] for s in a] == pytest.approx([s["loss"] for s in b], rel=1e-5)
+
+
+def test_full_finetune_and_activation_checkpointing_agree(tmp_path):
+    common = dict(QUICK, max_steps=2, logging_steps=1, lora=False, eval_file=None, save_model=False,
+                  lora_dropout=0.0)
+    plain = read_log(train(TrainConfig(**common, output_dir=str(tmp_path / "p"))).log_path)
+    ckpt = read_log(train(TrainConfig(**common, activation_checkpointing=True, output_dir=str(tmp_path / "c"))).log_path)
+    assert [s["loss"] for s in plain] == pytest.approx([s["loss"] for s in ckpt], rel=1e-5)
+
+
+@pytest.mark.parametrize("micro,accum,world", [(4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 1, 4)])
+def test_global_batch_is_the_same_rows_whatever_the_world_size(micro, accum, world):
+    single = StepBatches(100, micro=micro * accum * world, accum=1, world=1, rank=0, seed=7)
+    ranks = [StepBatches(100, micro=micro, accum=accum, world=world, rank=r, seed=7) for r in range(world)]
+    for _ in range(2 * single.steps_per_epoch + 1):  # across an epoch boundary too
+        expected = sorted(i for mb in single.next_step() for i in mb)
+        got = sorted(i for rk in ranks for mb in rk.next_step() for i in mb)
+        assert got == expected
+
+
+def test_batch_position_resumes_exactly():
+    a = StepBatches(50, micro=2, accum=2, world=1, rank=0, seed=3)
+    for _ in range(17):
+        a.next_step()
+    b = StepBatches(50, micro=2, accum=2, world=1, rank=0, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert [a.next_step() for _ in range(5)] == [b.next_step() for _ in range(5)]
+
+
+def test_global_batch_size_derives_accumulation():
+    cfg = TrainConfig(micro_batch_size=2, global_batch_size=8)
+    assert (cfg.micro_steps(1), cfg.micro_steps(2), cfg.micro_steps(4)) == (4, 2, 1)
+    with pytest.raises(ValueError, match="not divisible"):
+        cfg.micro_steps(3)
+
+
+def test_cli_with_yaml_and_overrides(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"max_steps: 2\nseq_len: 256\nmicro_batch_size: 2\nnum_threads: 1\neval_file: null\n"
+                      f"output_dir: {tmp_path / 'out'}\nprogress: false\n")
+    proc = subprocess.run([sys.executable, "-m", "distlab.train", "--config", str(config), "--set", "logging_steps=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(read_log(tmp_path / "out" / "train_log.jsonl")) == 2
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["final_loss"] > 0
+
+
+def test_bad_config_names_the_file_and_field(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("max_stepz: 2\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown field\(s\) max_stepz"):
+        load_config(config)
+    config.write_text("max_steps: [1\n")
+    with pytest.raises(ValueError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(config)
