@@ -347,7 +347,7 @@ def fetch_mathjax(dest: str | Path = MATHJAX_NPM_DIR, version: str = MATHJAX_VER
     if shutil.which("npm") is None:
         return None
     runner.run(["npm", "install", "--prefix", str(dest), "--no-audit", "--no-fund", "--fetch-retries=0",
-                f"mathjax@{version}"], timeout_s=300, echo=False, check=False)
+                "--fetch-timeout=30000", f"mathjax@{version}"], timeout_s=120, echo=False, check=False)
     es5 = Path(dest) / "node_modules" / "mathjax" / "es5"
     return es5 if (es5 / "tex-mml-chtml.js").is_file() else None
 

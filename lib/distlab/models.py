@@ -139,10 +139,15 @@ def resolve_model(model: str | Path | None) -> str:
 
 
 def _quiet_hf() -> None:
-    """Per-load progress bars from transformers add nothing but noise to notebook outputs."""
+    """Per-load progress bars from transformers add nothing but noise to notebook outputs, and
+    peft calls a transformers method that transformers 5 deprecates (not ours to fix)."""
+    import warnings
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
 
 
 def load_tokenizer(model: str | Path | None = None):

@@ -4,6 +4,11 @@ The child gets its own process session, so the whole tree it starts (torchrun ag
 their helpers) is one process group that we can kill at once. Output is streamed line by line to
 the caller (a notebook cell shows it live) and to a log file. On failure, interrupt or timeout the
 group is killed and the error says which rank failed and what it printed last.
+
+Not every descendant stays in the group: torchrun starts each rank in a session of its own, and a
+daemon may do the same. While the job runs, its process tree is sampled every TRACK_INTERVAL_S, so
+such descendants are killed at the end too, even when the process that started them has died
+first (torchrun killed by the OOM killer leaves its ranks behind otherwise).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
 
 KILL_GRACE_S = 5.0
+TRACK_INTERVAL_S = 0.25  # how often the job's process tree is sampled while it runs
 
 
 @dataclass
@@ -74,16 +80,39 @@ def _descendants(pid: int) -> list:
         return []
 
 
-def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> None:
+def _running(p) -> bool:
+    """Alive and not a zombie (a dead process waiting to be reaped has nothing left to kill)."""
+    try:
+        import psutil
+
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except Exception:  # psutil.NoSuchProcess and friends
+        return False
+
+
+def _track(pgid: int, seen: dict) -> None:
+    """Remember every current descendant of the group's leader (pid -> psutil.Process)."""
+    for p in _descendants(pgid):
+        seen.setdefault(p.pid, p)
+
+
+def kill_group(pgid: int, grace_s: float = KILL_GRACE_S, also: Sequence = ()) -> None:
     """SIGTERM the group, give it `grace_s` to exit, then SIGKILL whatever is left.
 
     Descendants that moved to a session of their own (a Jupyter kernel does; a torchrun job
     launched from that kernel through this module does too) are not in the group, so they are
-    found through the process tree while the leader is still alive and killed as well."""
-    strays = [p for p in _descendants(pgid) if _pgid(p.pid) not in (pgid, None)]
+    found through the process tree while the leader is still alive and killed as well, with their
+    own groups. `also` adds psutil.Process objects seen earlier (run() samples the tree while the
+    job runs), which covers those whose parent is already gone. A psutil.Process remembers its
+    start time, so a pid reused by an unrelated process is never signalled."""
+    candidates = {p.pid: p for p in also}
+    candidates.update({p.pid: p for p in _descendants(pgid)})
+    strays = [p for p in candidates.values() if _running(p) and _pgid(p.pid) not in (pgid, None)]
+    own = os.getpgrp()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for target in [pgid] + [_pgid(p.pid) for p in strays]:
-            if target is None or target == os.getpgrp():
+        targets = [pgid] + [g for g in {_pgid(p.pid) for p in strays if _running(p)} if g is not None]
+        for target in dict.fromkeys(targets):
+            if target == own:
                 continue
             try:
                 os.killpg(target, sig)
@@ -92,11 +121,12 @@ def kill_group(pgid: int, grace_s: float = KILL_GRACE_S) -> None:
         if sig == signal.SIGKILL:
             break
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (_alive_group(pgid) or any(p.is_running() for p in strays)):
+        while time.monotonic() < deadline and (_alive_group(pgid) or any(_running(p) for p in strays)):
             time.sleep(0.05)
-    for p in strays:  # a stray that left its group too
+    for p in strays:  # a stray that left its group too (or shares ours)
         try:
-            p.kill()
+            if _running(p):
+                p.kill()
         except Exception:
             pass
 
@@ -109,11 +139,23 @@ def _pgid(pid: int) -> int | None:
 
 
 def _alive_group(pgid: int) -> bool:
+    """Does the group still have a live member? Zombies do not count: the leader stays one until
+    run() reaps it, and waiting for it would add the whole grace period to every timeout."""
     try:
         os.killpg(pgid, 0)
-        return True
     except (ProcessLookupError, PermissionError):
         return False
+    try:
+        import psutil
+    except ImportError:
+        return True
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return False
 
 
 def run(
@@ -178,17 +220,26 @@ def run(
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     timed_out = False
+    seen: dict = {}  # pid -> psutil.Process of every descendant observed while the job ran
+    deadline = start + timeout_s
     try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            try:
+                proc.wait(timeout=min(TRACK_INTERVAL_S, remaining))
+                break
+            except subprocess.TimeoutExpired:
+                _track(pgid, seen)
     except BaseException:  # KeyboardInterrupt from a notebook's stop button
-        kill_group(pgid)
+        kill_group(pgid, also=list(seen.values()))
         proc.wait()
         raise
     finally:
         # Also on success: a rank or helper that outlived the leader must not survive.
-        kill_group(pgid, grace_s=KILL_GRACE_S if timed_out else 1.0)
+        kill_group(pgid, grace_s=KILL_GRACE_S if timed_out else 1.0, also=list(seen.values()))
         proc.wait()
         reader.join(timeout=5)
         if log_file:

@@ -241,7 +241,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
 
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_steps, initial=first_step - 1, desc="train", mininterval=2.0, file=sys.stdout,
+    bar = tqdm(total=cfg.max_steps, initial=first_step - 1, desc="train", mininterval=10.0, file=sys.stdout,
                disable=not (strategy.is_main and cfg.progress))
     model.train()
     reset_peak_memory(choice.device)
