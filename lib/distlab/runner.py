@@ -129,6 +129,11 @@ def kill_group(pgid: int, grace_s: float = KILL_GRACE_S, also: Sequence = ()) ->
                 p.kill()
         except Exception:
             pass
+    # SIGKILL is delivered asynchronously: wait (briefly) until the processes are really gone, so
+    # that nothing is left running when this returns.
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and (_alive_group(pgid) or any(_running(p) for p in strays)):
+        time.sleep(0.02)
 
 
 def _pgid(pid: int) -> int | None:
