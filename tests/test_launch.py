@@ -418,7 +418,7 @@ def test_hard_limit_stops_torchrun_and_its_ranks(tmp_path):
     """The script's own `timeout`: SIGTERM to torchrun at the limit, which stops its ranks (they run
     in sessions of their own), exit status 124. Here torchrun's shutdown grace is 2 s, not 30."""
     (tmp_path / "sleeper_mod.py").write_text(SLEEPER)
-    spec = LaunchSpec(module="sleeper_mod", nproc_per_node=2, log_dir="logs", timeout_s=3, kill_after_s=5,
+    spec = LaunchSpec(module="sleeper_mod", nproc_per_node=2, log_dir="logs", timeout_s=8, kill_after_s=5,
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ".", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
     script = launch.write_scripts(spec, tmp_path, "sleeper")[0]
     ranks: list[psutil.Process] = []

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from distlab.config import TrainConfig, load_config
 from distlab.metrics import read_log
@@ -42,13 +41,12 @@ def test_saved_adapter_reloads_with_the_same_eval_loss(tmp_path):
     from distlab.device import choose_device
     from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
     from distlab.strategies import make_strategy
-    from distlab.train import evaluate
 
     cfg = TrainConfig(**QUICK, output_dir=str(tmp_path), eval_at_start=False)
     result = train(cfg)
     model = CausalLMWithLoss(PeftModel.from_pretrained(load_model(None), tmp_path / "model"))
     data = build_sft_data(cfg.eval_file, load_tokenizer(None), cfg.seq_len)
-    loss = evaluate(model, data, make_strategy("single"), choose_device("cpu", "fp32"))
+    loss = make_strategy("single").evaluate(model, data, choose_device("cpu", "fp32"))
     assert loss == pytest.approx(result.eval_loss_after, abs=1e-5)
 
 

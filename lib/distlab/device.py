@@ -130,6 +130,11 @@ def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     return table[ident], f"measured matmul ({key}, {threads} thread{'s' * (threads != 1)})"
 
 
+def autocast(choice: DeviceChoice):
+    """Mixed-precision context for forward passes (a no-op when the choice has no autocast dtype)."""
+    return torch.autocast(choice.device.type, dtype=choice.autocast_dtype, enabled=choice.autocast_dtype is not None)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -169,7 +169,7 @@ def measure_activation_memory(model: torch.nn.Module, loss_fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = loss_fn(model)
     total = _bytes(saved)
-    del saved
+    saved.clear()
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total
@@ -190,18 +190,18 @@ def measure_training_memory(cfg) -> tuple[MemoryBreakdown, MemoryBreakdown]:
     saved. The estimate comes from the config alone, for comparison."""
     from .data import model_inputs
     from .strategies import make_strategy
-    from .train import _autocast, _prepare
+    from .device import autocast
+    from .train import _prepare
 
     strategy = make_strategy("single")
     choice, _, train_data, _, model = _prepare(cfg.replace(eval_file=None), strategy)
-    model = strategy.wrap_model(model, choice)
+    model, optimizer, _ = strategy.prepare(model, choice, cfg)
     model.train()
-    optimizer = strategy.make_optimizer(model, cfg.lr, cfg.weight_decay)
     first = train_data.batch(list(range(cfg.micro_batch_size)))
     batch = model_inputs(first, choice.device)
 
     def loss_fn(m):
-        with _autocast(choice):
+        with autocast(choice):
             return m(**batch)
 
     activations = measure_activation_memory(model, loss_fn)

@@ -91,7 +91,10 @@ def _running(p) -> bool:
 
 
 def _track(pgid: int, seen: dict) -> None:
-    """Remember every current descendant of the group's leader (pid -> psutil.Process)."""
+    """Remember every current descendant of the group's leader (pid -> psutil.Process), and
+    forget those already gone (a long job may start many short-lived helpers)."""
+    for pid in [pid for pid, p in seen.items() if not _running(p)]:
+        del seen[pid]
     for p in _descendants(pgid):
         seen.setdefault(p.pid, p)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -26,8 +25,8 @@ import torch.nn.functional as F
 
 from . import checkpoint, faults, provenance
 from .config import TrainConfig, load_config, parse_override
-from .data import IGNORE_INDEX, SFTData, build_sft_data, model_inputs
-from .device import DeviceChoice, choose_device, peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
+from .data import IGNORE_INDEX, build_sft_data
+from .device import choose_device, peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
 from .metrics import StepLog, train_flops_per_token
 from .models import CausalLMWithLoss, count_parameters, load_model, load_tokenizer
 from .strategies import Strategy, make_strategy
@@ -52,16 +51,6 @@ def apply_lora(model, cfg: TrainConfig):
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, lora)
-
-
-def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class StepBatches:
@@ -104,44 +93,6 @@ class StepBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.step_in_epoch, self._order = state["epoch"], state["step_in_epoch"], None
-
-
-@torch.no_grad()
-def evaluate(model, data: SFTData, strategy: Strategy, choice: DeviceChoice, batch_size: int = 8) -> float:
-    """Token-weighted mean loss over the held-out rows (each data-parallel rank takes a share)."""
-    was_training = model.training
-    model.eval()
-    rows = list(range(strategy.data_parallel_rank, len(data), strategy.data_parallel_size))
-    totals = torch.zeros(2, dtype=torch.float64)
-    for i in range(0, len(rows), batch_size):
-        batch = data.batch(rows[i:i + batch_size])
-        with _autocast(choice):
-            totals[0] += float(model(**model_inputs(batch, choice.device)))
-        totals[1] += batch["n_label_tokens"]
-    totals = strategy.all_reduce_sum(totals.to(choice.device)).cpu()
-    model.train(was_training)
-    return float(totals[0] / totals[1])
-
-
-def _autocast(choice: DeviceChoice):
-    return torch.autocast(choice.device.type, dtype=choice.autocast_dtype, enabled=choice.autocast_dtype is not None)
-
-
-def forward_backward(model, micro_batches: list[dict[str, Any]], strategy: Strategy, choice: DeviceChoice,
-                     global_label_tokens: int) -> float:
-    """All micro-steps of one optimizer step; returns this rank's share of the step loss.
-
-    Each micro-batch's summed loss is divided by the global label-token count, then multiplied by
-    the data-parallel size because gradient sync averages over ranks."""
-    scale = strategy.data_parallel_size / global_label_tokens
-    local = 0.0
-    for i, batch in enumerate(micro_batches):
-        with strategy.sync_context(model, sync=(i == len(micro_batches) - 1)):
-            with _autocast(choice):
-                loss_sum = model(**model_inputs(batch, choice.device))
-            strategy.backward(loss_sum * scale, model)
-        local += loss_sum.item() / global_label_tokens
-    return local
 
 
 @dataclass
@@ -202,9 +153,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     out = Path(cfg.output_dir)
     choice, tokenizer, train_data, eval_data, model = _prepare(cfg, strategy)
     n_total, n_trainable = count_parameters(model)
-    model = strategy.wrap_model(model, choice)
-    optimizer = strategy.make_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
     accum = cfg.micro_steps(strategy.data_parallel_size)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed)
@@ -236,7 +185,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
 
     eval_before = None
     if eval_data and cfg.eval_at_start and first_step == 1:
-        eval_before = evaluate(model, eval_data, strategy, choice)
+        eval_before = strategy.evaluate(model, eval_data, choice)
         log.write("eval", step=0, eval_loss=eval_before)
 
     from tqdm import tqdm
@@ -254,7 +203,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         counts = torch.tensor([sum(b["n_label_tokens"] for b in micro), sum(b["n_real_tokens"] for b in micro),
                                sum(b["n_samples"] for b in micro)], dtype=torch.float64)
         counts = strategy.all_reduce_sum(counts.to(choice.device)).cpu()
-        local_loss = forward_backward(model, micro, strategy, choice, int(counts[0]))
+        local_loss = strategy.forward_backward(model, micro, choice, int(counts[0]))
         grad_norm = strategy.step(model, optimizer, scheduler, cfg.max_grad_norm)
         loss = float(strategy.all_reduce_sum(torch.tensor([local_loss], dtype=torch.float64, device=choice.device)))
         synchronize(choice.device)
@@ -279,7 +228,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
             checkpoint.save(out, step, strategy, model, optimizer, scheduler, batches, log.path, cfg.keep_checkpoints)
     bar.close()
 
-    eval_after = evaluate(model, eval_data, strategy, choice) if (eval_data and cfg.eval_at_end) else None
+    eval_after = strategy.evaluate(model, eval_data, choice) if (eval_data and cfg.eval_at_end) else None
     if eval_after is not None:
         log.write("eval", step=cfg.max_steps, eval_loss=eval_after)
     if cfg.save_model:

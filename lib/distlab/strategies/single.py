@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..device import DeviceChoice
+from ..data import SFTData, model_inputs
+from ..device import DeviceChoice, autocast
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class Strategy:
@@ -39,6 +52,13 @@ class Strategy:
         return self.rank
 
     # --- model and optimizer
+    def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
+        """(model, optimizer, scheduler) ready to train. Strategies whose engine owns the
+        optimizer (DeepSpeed) override this; the others override wrap_model only."""
+        model = self.wrap_model(model, choice)
+        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay)
+        return model, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
         return model.to(choice.device)
 
@@ -54,6 +74,39 @@ class Strategy:
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.999), eps=1e-8)
 
     # --- one optimizer step
+    def forward_backward(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice,
+                         global_label_tokens: int) -> float:
+        """All micro-steps of one optimizer step; returns this rank's share of the step loss.
+
+        Each micro-batch's summed loss is divided by the global label-token count, then multiplied
+        by the data-parallel size because gradient sync averages over ranks. The model is a
+        distlab.models.CausalLMWithLoss (possibly wrapped): its forward returns the summed loss."""
+        scale = self.data_parallel_size / global_label_tokens
+        local = 0.0
+        for i, batch in enumerate(micro_batches):
+            with self.sync_context(model, sync=(i == len(micro_batches) - 1)):
+                with autocast(choice):
+                    loss_sum = model(**model_inputs(batch, choice.device))
+                self.backward(loss_sum * scale, model)
+            local += loss_sum.item() / global_label_tokens
+        return local
+
+    @torch.no_grad()
+    def evaluate(self, model, data: SFTData, choice: DeviceChoice, batch_size: int = 8) -> float:
+        """Token-weighted mean loss over held-out rows (each data-parallel rank takes a share)."""
+        was_training = model.training
+        model.eval()
+        rows = list(range(self.data_parallel_rank, len(data), self.data_parallel_size))
+        totals = torch.zeros(2, dtype=torch.float64)
+        for i in range(0, len(rows), batch_size):
+            batch = data.batch(rows[i:i + batch_size])
+            with autocast(choice):
+                totals[0] += float(model(**model_inputs(batch, choice.device)))
+            totals[1] += batch["n_label_tokens"]
+        totals = self.all_reduce_sum(totals.to(choice.device)).cpu()
+        model.train(was_training)
+        return float(totals[0] / totals[1])
+
     def sync_context(self, model: torch.nn.Module, sync: bool):
         """Context for one micro-step; `sync=False` lets data parallelism skip the all-reduce."""
         return contextlib.nullcontext()
