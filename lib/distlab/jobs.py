@@ -51,17 +51,11 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
                   runs_dir: Path = RUNS_DIR) -> LaunchSpec:
     output_dir = Path(runs_dir) / name
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    notes = {}
-    if max_restarts:
-        # torch >= 2.5 shares torchrun's rendezvous store with the ranks; a restarted group then
-        # reads the dead group's gloo/NCCL addresses and fails to connect (pytorch issue 135712).
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        notes["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "a restarted group must not read the dead group's addresses"
     args = ["--config", str(config)]
     for key, value in {**overrides, "output_dir": str(output_dir), "progress": False}.items():
         args += ["--set", f"{key}={_yaml_value(value)}"]
     return LaunchSpec(module="distlab.train", args=args, nproc_per_node=world_size, max_restarts=max_restarts,
-                      env=env, env_notes=notes, log_dir=str(output_dir / "torchrun"), timeout_s=timeout_s, kill_after_s=45,
+                      env=env, log_dir=str(output_dir / "torchrun"), timeout_s=timeout_s, kill_after_s=45,
                       python=sys.executable, description=f"{name}: distlab.train on {world_size} local rank(s)")
 
 

@@ -87,6 +87,8 @@ _SECRET_VALUE_RE = re.compile(
 ENV_NOTES = {
     "OMP_NUM_THREADS": "CPU threads per rank: ranks sharing a node's cores must not oversubscribe them",
     "MKL_NUM_THREADS": "MKL threads per rank, for the same reason as OMP_NUM_THREADS",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "with restarts: a restarted group must not read the dead group's "
+                                          "gloo/NCCL addresses from torchrun's shared store (pytorch issue 135712)",
     "NCCL_SOCKET_IFNAME": "the network interface NCCL uses between nodes (see `ip -br addr`; same name on every node)",
     "GLOO_SOCKET_IFNAME": "the interface gloo (CPU collectives, barriers) uses between nodes",
     "NCCL_IB_DISABLE": "no InfiniBand on an Ethernet LAN: NCCL goes straight to TCP sockets",
@@ -449,9 +451,12 @@ def render_script(spec: LaunchSpec) -> str:
     else:
         out += [f"default_python={_q(spec.python)}", 'PYTHON="${PYTHON:-${default_python}}"']
     out.append("")
-    if spec.env:
+    env = dict(spec.env)
+    if spec.max_restarts:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if env:
         out.append("# Environment for torchrun and every rank.")
-        for name, value in spec.env.items():
+        for name, value in env.items():
             note = spec.env_notes.get(name) or ENV_NOTES.get(name) or "set by the launch spec"
             out += [f"# {name}: {note}", f"export {name}={_q(value)}"]
         out.append("")

@@ -24,6 +24,8 @@ export NCCL_DEBUG=INFO
 export TOKENIZERS_PARALLELISM=false
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: seconds torchrun gives its ranks between SIGTERM and SIGKILL when stopping
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=45
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with restarts: a restarted group must not read the dead group's gloo/NCCL addresses from torchrun's shared store (pytorch issue 135712)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).
 mkdir -p -- logs/lan_c10d
