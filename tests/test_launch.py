@@ -239,8 +239,8 @@ def nasty_spec(python: str = "python", log_dir: str = "logs/with space $(touch P
 
 @pytest.fixture(scope="module")
 def shellcheck():
-    tool = REPO_ROOT / "tools" / "ensure_shellcheck.sh"
-    proc = subprocess.run(["bash", str(tool)], capture_output=True, text=True, timeout=600)
+    tool = REPO_ROOT / "tools" / "ensure_debian_packages.sh"
+    proc = subprocess.run(["bash", str(tool), "shellcheck:shellcheck"], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not shutil.which("shellcheck"):
         reason = f"shellcheck unavailable: {proc.stderr.strip() or proc.stdout.strip()}"
         print(reason)

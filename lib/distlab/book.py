@@ -49,7 +49,7 @@ BUILD_TIMEOUT_S = 900.0
 GENERATED = ("_toc.yml", "results.md")
 
 CHROMIUM = Path(os.environ.get("DISTLAB_CHROMIUM", "/usr/bin/chromium"))
-ENSURE_CHROMIUM = paths.REPO_ROOT / "tools" / "ensure_chromium.sh"
+ENSURE_PACKAGES = paths.REPO_ROOT / "tools" / "ensure_debian_packages.sh"
 # The closed network here refuses chromium's background connections unless they are switched off.
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -524,8 +524,8 @@ def serve(directory: str | Path, host: str = "127.0.0.1", timeout_s: float = 15.
     raise RuntimeError(f"could not start an HTTP server for {directory}")
 
 
-def ensure_chromium(executable: str | Path = CHROMIUM, script: str | Path = ENSURE_CHROMIUM) -> tuple[Path | None, str]:
-    """Debian's chromium, installing it with tools/ensure_chromium.sh when missing.
+def ensure_chromium(executable: str | Path = CHROMIUM, script: str | Path = ENSURE_PACKAGES) -> tuple[Path | None, str]:
+    """Debian's chromium, installing it with tools/ensure_debian_packages.sh when missing.
     Returns (path, "") or (None, why it is not available)."""
     executable = Path(executable)
     if executable.exists():
@@ -533,7 +533,7 @@ def ensure_chromium(executable: str | Path = CHROMIUM, script: str | Path = ENSU
     script = Path(script)
     if not script.exists():
         return None, f"{executable} is missing and {script} does not exist"
-    res = runner.run(["bash", str(script)], timeout_s=900, echo=False, check=False)
+    res = runner.run(["bash", str(script), f"{executable}:chromium"], timeout_s=900, echo=False, check=False)
     if executable.exists():
         return executable, ""
     last = "; ".join(ln for ln in res.tail[-5:] if ln.strip())
@@ -582,7 +582,7 @@ def check_site(html_dir: str | Path, *, screenshots_dir: str | Path | None = Non
     shots.mkdir(parents=True)
     exe = Path(chromium or CHROMIUM)
     if not exe.exists():
-        raise FileNotFoundError(f"{exe} is missing (run tools/ensure_chromium.sh)")
+        raise FileNotFoundError(f"{exe} is missing (run tools/ensure_debian_packages.sh)")
     report = SiteReport(html_dir=html_dir)
     pages = html_pages(html_dir)
     links: dict[str, str] = {}  # url -> first page linking it
