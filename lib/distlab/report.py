@@ -84,9 +84,10 @@ def save_scaling(df: pd.DataFrame, figures_dir: str | Path, provenance: dict, pr
         fig, ax = plt.subplots(figsize=(5.5, 3.2))
         labels = df["world_size"].astype(str)
         ax.bar(labels, df["compute_time_s"] * 1e3, label="compute")
-        ax.bar(labels, df["comm_time_s"] * 1e3, bottom=df["compute_time_s"] * 1e3, label="gradient all-reduce")
+        ax.bar(labels, df["comm_time_s"] * 1e3, bottom=df["compute_time_s"] * 1e3,
+               label="gradient all-reduce (incl. waiting for the slower rank)")
         ax.set_xlabel("world size (ranks)"); ax.set_ylabel("ms per optimizer step")
-        ax.set_title("where a step's time goes"); ax.legend()
+        ax.set_title("where a step's time goes (measured)"); ax.legend(fontsize=7)
         fig.tight_layout()
         out.append(save_figure(fig, figures_dir / f"{prefix}_comm_compute.png", provenance))
         plt.close(fig)
