@@ -50,6 +50,15 @@ class TrainConfig:
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
     measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)
+    # sharding (chapter 03: FSDP2 and DeepSpeed ZeRO)
+    fsdp_reshard_after_forward: bool = True  # fsdp: free each layer's gathered weights after forward, re-gather in backward
+    zero_offload_optimizer: bool = False  # zero2/zero3: optimizer state and update on the CPU (DeepSpeed offload_optimizer)
+    measure_state: bool = False  # record the bytes of weights, gradients and optimizer state each rank holds (result JSON)
+    # pipeline (chapter 04): the micro-batches of one step are the loop's grad_accum micro-batches of
+    # micro_batch_size rows (m = grad_accum, or global_batch_size / micro_batch_size); every stage sees them all
+    pipeline_stages: int | None = None  # pipeline/ds_pipeline: stages (None: one per rank; pure pipeline)
+    pipeline_schedule: str = "1f1b"  # pipeline: "1f1b" | "gpipe" (ds_pipeline always runs DeepSpeed's 1F1B)
+    stage_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None: balanced by count
     # fault tolerance
     checkpoint_steps: int = 0  # 0: no periodic checkpoints
     keep_checkpoints: int = 2

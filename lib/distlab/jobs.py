@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .launch import LaunchSpec, write_scripts
+from .launch import PIPELINE_STRATEGIES, LaunchSpec, write_scripts
 from .paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
 from .runner import RunResult, run
 
@@ -54,7 +54,10 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
     args = ["--config", str(config)]
     for key, value in {**overrides, "output_dir": str(output_dir), "progress": False}.items():
         args += ["--set", f"{key}={_yaml_value(value)}"]
+    # Pipeline strategies: the launcher checks the stage count (default: one stage per rank).
+    stages = (overrides.get("pipeline_stages") or world_size) if overrides.get("strategy") in PIPELINE_STRATEGIES else None
     return LaunchSpec(module="distlab.train", args=args, nproc_per_node=world_size, max_restarts=max_restarts,
+                      pipeline_stages=stages,
                       env=env, log_dir=str(output_dir / "torchrun"), timeout_s=timeout_s, kill_after_s=45,
                       python=sys.executable, description=f"{name}: distlab.train on {world_size} local rank(s)")
 

@@ -240,6 +240,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         stamp = provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)
         (out / "run_metadata.json").write_text(json.dumps({**run_info, **summary, "provenance": stamp},
                                                           indent=2, default=str))
+    from .collect import emit_rank_result  # launched ranks print their result JSON between log markers
+    emit_rank_result(cfg, strategy, model, optimizer, log.path, summary, probe=(choice, train_data))
     return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, first_step - 1, summary)
 
 

@@ -6,9 +6,15 @@ override only the hooks that differ (wrapping, gradient sync, optimizer step, sa
 from __future__ import annotations
 
 from .ddp import DDPStrategy
+from .fsdp import FSDPStrategy
 from .single import SingleDevice, Strategy
+from .zero import Zero2Strategy, Zero3Strategy
+from .pipeline import PipelineStrategy
+from .ds_pipeline import DeepSpeedPipelineStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {"single": SingleDevice, "ddp": DDPStrategy}
+STRATEGIES.update({"fsdp": FSDPStrategy, "zero2": Zero2Strategy, "zero3": Zero3Strategy})
+STRATEGIES.update({"pipeline": PipelineStrategy, "ds_pipeline": DeepSpeedPipelineStrategy})
 
 
 def make_strategy(name: str) -> Strategy:
