@@ -8,7 +8,7 @@ STAMP := $(VENV)/.distlab-installed
 PROFILE ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: all env test book notebooks site lock clean help
+.PHONY: all env test book notebooks site lock clean help deepspeed-op
 
 help:
 	@echo "make book   - set up, run every notebook (papermill), build the Jupyter Book site"
@@ -28,10 +28,15 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
 	@touch $@
 
-test: $(STAMP)
+# DeepSpeed JIT-compiles a C++ communication op on first use (about a minute on 2 cores). Build it once per
+# machine into the persistent cache (distlab.strategies.zero.extensions_dir) before tests and notebooks need it.
+deepspeed-op: $(STAMP)
+	$(PY) -c 'from distlab.strategies.zero import prebuild_comm_op; prebuild_comm_op()'
+
+test: $(STAMP) deepspeed-op
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-notebooks: $(STAMP)
+notebooks: $(STAMP) deepspeed-op
 	$(PY) -m distlab.regenerate --profile $(PROFILE)
 
 site: $(STAMP)
@@ -39,7 +44,7 @@ site: $(STAMP)
 
 # The site is built (and checked in a headless browser) even when a notebook fails, so the
 # failure can be inspected; the target still fails.
-book: $(STAMP)
+book: $(STAMP) deepspeed-op
 	@rc=0; $(PY) -m distlab.regenerate --profile $(PROFILE) || rc=$$?; \
 	$(PY) -m distlab.book --check --fetch-mathjax || rc=$$?; exit $$rc
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from distlab import collect, memory
 from distlab.config import LORA_TARGETS
 from distlab.jobs import launch_training
@@ -106,7 +105,7 @@ def test_owned_state_bytes_match_the_planner(runs, strategy, mode, tiny_model):
             assert measured[part] == pytest.approx(predicted, rel=STATE_RTOL, abs=1), (strategy, mode, rank, part)
     if strategy != "single":  # DDP replicates everything; each sharded strategy holds less
         single = collect.collect_run(jobs[("single", mode)].output_dir)[0]["state_bytes"]
-        total = lambda b: sum(b[k] for k in ("weights", "adapter_weights", "gradients", "optimizer_state"))  # noqa: E731
+        total = lambda b: sum(b[k] for k in ("weights", "adapter_weights", "gradients", "optimizer_state"))
         for rec in results.values():
             if strategy == "ddp":
                 assert total(rec["state_bytes"]) == total(single)
@@ -118,12 +117,11 @@ def test_owned_state_bytes_match_the_planner(runs, strategy, mode, tiny_model):
 def test_exported_models_load_with_from_pretrained(runs, mode):
     """save_model gathers the shards: the adapter / model each strategy exports loads and matches DDP's."""
     import torch
+    from distlab.data import build_sft_data, model_inputs
+    from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+    from distlab.paths import TRAIN_FILE
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
-    from distlab.data import build_sft_data, model_inputs
-    from distlab.paths import TRAIN_FILE
 
     _, jobs = runs
     batch = build_sft_data(TRAIN_FILE, load_tokenizer(None), 256).batch([0, 1])

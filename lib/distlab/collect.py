@@ -160,10 +160,14 @@ class _Block:
 
 
 def _read_source(source) -> tuple[str, str]:
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and Path(source).is_file()):
-        path = Path(source)
-        return str(path), path.read_text(encoding="utf-8", errors="replace")
-    return "<log text>", str(source)
+    """(label, text) of a log given as a path or as its text (a one-line string is a path unless it
+    holds a marker)."""
+    if isinstance(source, str) and ("\n" in source or "DISTLAB_RESULT" in source):
+        return "<log text>", source
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such log file")
+    return str(path), path.read_text(encoding="utf-8", errors="replace")
 
 
 def _expected(expected_ranks) -> list[int] | None:
@@ -217,13 +221,7 @@ def extract_results(source, expected_ranks=None, name: str | None = None) -> dic
             if block.rank != rank:
                 raise ResultLogError(f"{label}:{block.line}-{lineno}: START of rank {block.rank} closed by END of "
                                      f"rank {rank}")
-            body = "\n".join(block.body).strip()
-            try:
-                record = json.loads(body)
-            except json.JSONDecodeError as e:
-                shown = body[:80] + ("..." if len(body) > 80 else "")
-                raise ResultLogError(f"{label}:{block.line}-{lineno}: result of rank {rank} is not valid JSON "
-                                     f"({e.msg} at character {e.pos}; truncated?): {shown!r}") from e
+            record = _parse_body(block.body, label, block.line, lineno, rank)
             if not isinstance(record, dict):
                 raise ResultLogError(f"{label}:{block.line}: result of rank {rank} is a {type(record).__name__}, "
                                      "not a JSON object")
@@ -240,6 +238,29 @@ def extract_results(source, expected_ranks=None, name: str | None = None) -> dic
         raise ResultLogError(f"{label}:{b.line}: result of rank {b.rank} has a START marker but the log ends "
                              "before its END marker (truncated log?)")
     return _check_ranks(results, expected_ranks, label)
+
+
+def _parse_body(body: list[str], label: str, first: int, last: int, rank: int):
+    """The JSON between a rank's markers: all body lines together (the record may be pretty-printed),
+    or, when another thread of the rank printed inside the block (stderr merged by --tee), the one
+    body line that is a JSON object."""
+    text = "\n".join(body).strip()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        error = e
+    objects = []
+    for line in body:
+        if line.lstrip().startswith("{"):
+            try:
+                objects.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    if len(objects) == 1:
+        return objects[0]
+    shown = text[:80] + ("..." if len(text) > 80 else "")
+    raise ResultLogError(f"{label}:{first}-{last}: result of rank {rank} is not valid JSON ({error.msg} at "
+                         f"character {error.pos}; truncated?): {shown!r}") from error
 
 
 def _check_ranks(results, expected_ranks, label):
@@ -307,13 +328,20 @@ def run_metrics(results: Mapping[int, Mapping[str, Any]], skip_steps: int | None
     if ranks != list(range(world)):
         raise ValueError(f"run {first.get('run')}: results of ranks {ranks}, expected 0..{world - 1}")
     skip = first.get("skip_steps", 1) if skip_steps is None else skip_steps
-    n = min(len(results[r]["steps"]) for r in ranks)
-    steps = [{"step": first["steps"][i], "loss": first["loss"][i], "tokens": first["tokens"][i],
+    # Steps every rank logged (after a resume, ranks other than 0 log only the new segment).
+    by_rank = {r: {step: i for i, step in enumerate(results[r]["steps"])} for r in ranks}
+    common = sorted(set.intersection(*(set(m) for m in by_rank.values())))
+    n = len(common)
+
+    def at(r, key, step):
+        return results[r][key][by_rank[r][step]]
+
+    steps = [{"step": step, "loss": at(ranks[0], "loss", step), "tokens": at(ranks[0], "tokens", step),
               # the step ends for everyone when the slowest rank is done
-              "step_time_s": max(results[r]["step_time_s"][i] for r in ranks),
-              "comm_time_s": (None if any(results[r]["comm_time_s"][i] is None for r in ranks)
-                              else sum(results[r]["comm_time_s"][i] for r in ranks) / len(ranks))}
-             for i in range(n)]
+              "step_time_s": max(at(r, "step_time_s", step) for r in ranks),
+              "comm_time_s": (None if any(at(r, "comm_time_s", step) is None for r in ranks)
+                              else sum(at(r, "comm_time_s", step) for r in ranks) / len(ranks))}
+             for step in common]
     peaks = [results[r]["peak_mem_bytes"] / 2**20 for r in ranks]
     row = {"run": first.get("run"), "strategy": first["strategy"], "mode": first["mode"], "world_size": world,
            "global_batch_size": first.get("global_batch_size"), "steps": n, **_summarise(steps, skip),
@@ -396,8 +424,8 @@ def save_plots(df, figures_dir: str | Path, provenance: dict) -> list[Path]:
                 vals = sub[key].astype(float)
                 ax.bar(x, vals.fillna(0), color=[f"C{i}" for i in range(len(sub))])
                 for xi, v in zip(x, vals):
-                    ax.text(xi, 0 if np.isnan(v) else v, "n/a" if np.isnan(v) else f"{v:.3g}", ha="center",
-                            va="bottom", fontsize=7)
+                    text = "n/a" if np.isnan(v) else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}")
+                    ax.text(xi, 0 if np.isnan(v) else v, text, ha="center", va="bottom", fontsize=7)
                 if key == "scaling_efficiency_pct":
                     ax.axhline(100, color="0.6", ls="--", lw=1)
             ax.set_xticks(x, [_label(r) for _, r in sub.iterrows()], fontsize=7)
@@ -450,3 +478,56 @@ def write_report(df, figures_dir: str | Path, provenance: dict, *, title: str = 
     path.write_text("\n".join(lines).rstrip() + "\n")
     write_sidecar(path, provenance)
     return path
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+STATE_PARTS = ("weights", "adapter_weights", "gradients", "optimizer_state")
+
+
+def state_vs_plan(runs: Iterable[Mapping[int, Mapping[str, Any]]], config, *, dtype: str | None = None,
+                  lora_targets=None):
+    """One row per run, rank and component: the bytes the rank measured it owns (record
+    "state_bytes", from runs with measure_state) next to distlab.memory.plan_memory's prediction
+    for that strategy, world size and rank, in MiB, with their ratio."""
+    import pandas as pd
+
+    from .config import LORA_TARGETS
+    from .memory import plan_memory
+
+    rows = []
+    for results in runs:
+        for rank, rec in sorted(results.items()):
+            measured = rec.get("state_bytes")
+            if not measured:
+                raise ValueError(f"run {rec.get('run')} rank {rank}: no state_bytes (run it with measure_state=True)")
+            plan = plan_memory(config, strategy=rec["strategy"], world_size=rec["world_size"], rank=rank,
+                               dtype=dtype, lora_r=rec.get("lora_r") if rec["mode"] == "lora" else None,
+                               lora_targets=lora_targets or LORA_TARGETS)
+            for part in STATE_PARTS:
+                m, p = measured[part], getattr(plan, part)
+                rows.append({"strategy": rec["strategy"], "mode": rec["mode"], "world_size": rec["world_size"],
+                             "rank": rank, "component": part, "measured_mib": m / 2**20, "planned_mib": p / 2**20,
+                             "planned / measured": (p / m) if m else (1.0 if p == 0 else float("inf"))})
+    return pd.DataFrame(rows)
+
+
+def loss_agreement(runs: Iterable[Mapping[int, Mapping[str, Any]]], reference: str = "ddp"):
+    """Per run: the largest relative difference of its loss curve from the reference strategy's run
+    of the same mode (rank 0's records; the loss is all-reduced, the same on every rank)."""
+    import pandas as pd
+
+    recs = [r[min(r)] for r in runs]
+    refs = {rec["mode"]: rec for rec in recs if rec["strategy"] == reference}
+    rows = []
+    for rec in recs:
+        ref = refs.get(rec["mode"])
+        if ref is None:
+            raise ValueError(f"no {reference} run of mode {rec['mode']} to compare {rec['run']} with")
+        if rec["steps"] != ref["steps"]:
+            raise ValueError(f"{rec['run']} logged steps {rec['steps']}, {ref['run']} logged {ref['steps']}")
+        diff = max(abs(a - b) / abs(b) for a, b in zip(rec["loss"], ref["loss"]))
+        rows.append({"run": rec["run"], "strategy": rec["strategy"], "mode": rec["mode"],
+                     "world_size": rec["world_size"], "steps": len(rec["steps"]), "final_loss": rec["loss"][-1],
+                     f"max rel. diff vs {reference}": diff})
+    return pd.DataFrame(rows)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -222,8 +222,8 @@ def measure_training_memory(cfg) -> tuple[MemoryBreakdown, MemoryBreakdown]:
     micro-batch, then sums weights, gradients and optimizer state and the activations autograd
     saved. The estimate comes from the config alone, for comparison."""
     from .data import model_inputs
-    from .strategies import make_strategy
     from .device import autocast
+    from .strategies import make_strategy
     from .train import _prepare
 
     strategy = make_strategy("single")
@@ -487,8 +487,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
             if grads == touching * tb:
                 notes.append("gradients: DeepSpeed keeps whole tensors that straddle a partition boundary")
         elif strategy == "zero3":
-            persist = lambda p: p.numel <= zero3_persistence_threshold  # noqa: E731
-            part = lambda p: _chunk(p.numel, world)  # noqa: E731
+            persist = lambda p: p.numel <= zero3_persistence_threshold
+            part = lambda p: _chunk(p.numel, world)
             fb = sum(part(p) + (p.numel if persist(p) else 0) for p in frozen) * wb
             tbytes = sum(part(p) + (p.numel if persist(p) else 0) for p in trained) * tb
             w, a = split(fb, tbytes)
@@ -677,10 +677,10 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
     capacity = [float(d["memory_gb"]) for d in devices]
     usable = [max(c - reserve_gb, 0.0) for c in capacity]
     smallest = min(usable)
-    gib = lambda b: b / GIB  # noqa: E731
+    gib = lambda b: b / GIB
     lora = bool(lora_r)
     targets = list(lora_targets) if lora_targets else None
-    bits = lambda wb: {4: "fp32", 2: "bf16", 1: "8-bit", 0.5: "4-bit"}.get(wb, f"{wb}-byte")  # noqa: E731
+    bits = lambda wb: {4: "fp32", 2: "bf16", 1: "8-bit", 0.5: "4-bit"}.get(wb, f"{wb}-byte")
 
     def plan(strategy: str, world: int, wb: float, offload: bool = False) -> MemoryBreakdown:
         return plan_memory(model_config, strategy=strategy, world_size=world, weight_bytes=wb, lora_r=lora_r,
@@ -790,3 +790,27 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
     reasoning.append("4. Nothing fits: use LoRA with quantised weights, shorter sequences, activation checkpointing, "
                      "more GPUs or a smaller model.")
     return result("none", weight_bytes, None)
+
+
+def plot_breakdowns(rows: Mapping[str, MemoryBreakdown], capacities: Mapping[str, float] | None = None,
+                    title: str = "", unit: float = GIB, unit_name: str = "GiB", ax=None):
+    """Stacked horizontal bars, one per breakdown (e.g. per strategy), with dashed lines at GPU
+    capacities (name -> GiB). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    table = breakdown_table(dict(rows), unit=unit, unit_name=unit_name).T.drop(columns="total")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7.5, 0.5 + 0.45 * len(table)))
+    else:
+        fig = ax.figure
+    table.plot.barh(stacked=True, ax=ax, width=0.7)
+    ax.invert_yaxis()
+    for name, gb in (capacities or {}).items():
+        ax.axvline(gb * GIB / unit, color="k", ls="--", lw=1)
+        ax.text(gb * GIB / unit, 1.01, f"{name} ({gb:g} GB)", transform=ax.get_xaxis_transform(), fontsize=7,
+                ha="center", va="bottom")
+    ax.set_xlabel(f"{unit_name} per rank (planned)")
+    ax.set_title(title, fontsize=9, pad=14 if capacities else 6)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig

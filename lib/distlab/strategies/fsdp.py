@@ -51,7 +51,7 @@ class CollectiveTimer:
         self._originals: dict[str, object] = {}
         self._paused = 0
 
-    def install(self) -> "CollectiveTimer":
+    def install(self) -> CollectiveTimer:
         for name in TIMED_COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is None or name in self._originals:
@@ -218,7 +218,10 @@ class FSDPStrategy(DistributedStrategy):
 
     def load_training_state(self, model, optimizer, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_state_dict,
+            set_state_dict,
+        )
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._state_options())
         state = {"model": model_sd, "optimizer": optim_sd}
@@ -230,7 +233,10 @@ class FSDPStrategy(DistributedStrategy):
 
     def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
         """A consolidated adapter (LoRA) or model folder, written by rank 0 from a gathered state dict."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:

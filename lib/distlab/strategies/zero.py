@@ -25,13 +25,13 @@ partitions, and steps once per optimizer step.
 First use: DeepSpeed JIT-compiles a small C++ shared-memory communication op when its comm backend
 starts (about a minute on two cores). The build is cached in TORCH_EXTENSIONS_DIR, which this
 module points at a persistent per-machine folder (`extensions_dir()`) unless already set, and rank
-0 says so before it starts when the cache is cold. `python -m distlab.strategies.zero --prebuild`
-builds it ahead of time (CI does, once per machine).
+0 says so before it starts when the cache is cold. `make deepspeed-op` (`prebuild_comm_op()`) builds it
+ahead of time; `make test` and `make book` do, so CI pays for it once per machine.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import logging
 import os
@@ -91,7 +91,7 @@ def comm_op_needed() -> bool:
 def prebuild_comm_op() -> Path:
     """Build (or load from the cache) DeepSpeed's shared-memory comm op in this process."""
     path = use_extensions_cache()
-    import deepspeed  # noqa: F401  (registers the op builders)
+    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -103,7 +103,8 @@ def prebuild_comm_op() -> Path:
         print(f"compiling DeepSpeed's communication op into {path} (first use only, about a minute)...", flush=True)
     t0 = time.perf_counter()
     builder.load(verbose=False)
-    print(f"DeepSpeed comm op {'built' if cold else 'cached'} in {path} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    print(f"DeepSpeed {deepspeed.__version__} comm op {'built' if cold else 'cached'} in {path} "
+          f"({time.perf_counter() - t0:.1f}s)", flush=True)
     return path
 
 
@@ -217,8 +218,10 @@ class ZeroStrategy(DistributedStrategy):
         scale = self.data_parallel_size / global_label_tokens
         local = 0.0
         last = len(micro_batches) - 1
+        # DeepSpeed's bf16 mode already holds the model in bf16; torch autocast is for fp32 models.
+        cast = choice if not (self.ds_config or {}).get("bf16", {}).get("enabled") else None
         for i, batch in enumerate(micro_batches):
-            with autocast(choice):
+            with autocast(cast) if cast is not None else contextlib.nullcontext():
                 loss_sum = model(**model_inputs(batch, choice.device))
             model.backward(loss_sum * scale, scale_wrt_gas=False)
             if i < last:
@@ -305,7 +308,7 @@ def measure_zero_state(engine):
     lora = bool(frozen)
     seen: set = set()
     if engine.zero_optimization_stage() >= 3:
-        held = lambda ps: [t for p in ps for t in (getattr(p, "ds_tensor", None), p.data)]  # noqa: E731
+        held = lambda ps: [t for p in ps for t in (getattr(p, "ds_tensor", None), p.data)]
         weights = owned_bytes(held(frozen if lora else params), seen)
         adapters = owned_bytes(held(trained), seen) if lora else 0
         grads = owned_bytes([getattr(opt, "grad_partitions_flat_buffer", None)], seen)
@@ -325,19 +328,3 @@ def measure_zero_state(engine):
         buffers += list(buf) if isinstance(buf, (list, tuple)) else [buf]
     return MemoryBreakdown(weights=weights, adapter_weights=adapters, gradients=grads, optimizer_state=state,
                            buffers=owned_bytes([b for b in buffers if torch.is_tensor(b)], seen))
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m distlab.strategies.zero",
-                                 description="Build DeepSpeed's JIT communication op into the persistent cache.")
-    ap.add_argument("--prebuild", action="store_true", help="build (or verify) the shared-memory comm op")
-    args = ap.parse_args(argv)
-    if not args.prebuild:
-        ap.print_help()
-        return 0
-    prebuild_comm_op()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The log-marker collector: results come back from noisy, interleaved, prefixed logs, and every
+broken case (truncated JSON, START without END, END without START, duplicates, missing ranks) is an
+error naming the log and line, never a silently dropped rank."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from distlab import collect
+from distlab.collect import ResultLogError, emit_result, extract_results
+
+
+def record(rank: int, world: int = 2, strategy: str = "fsdp", mode: str = "lora", run: str = "r", tps: float = 100.0,
+           step_time: float = 0.5, comm: float | None = 0.1) -> dict:
+    return {"schema": collect.SCHEMA, "run": run, "strategy": strategy, "mode": mode, "rank": rank, "world_size": world,
+            "global_batch_size": 8, "steps": [1, 2, 3], "loss": [3.0, 2.5, 2.0], "tokens": [tps * step_time] * 3,
+            "step_time_s": [step_time * 2, step_time, step_time], "comm_time_s": [comm] * 3,
+            "peak_mem_bytes": (500 + rank) * 2**20, "final_loss": 2.0, "skip_steps": 1}
+
+
+def block(rank: int, rec: dict | None = None, prefix: str = "") -> list[str]:
+    buf = io.StringIO()
+    emit_result(rec or record(rank), stream=buf)
+    return [prefix + line for line in buf.getvalue().splitlines()]
+
+
+NOISE = ["[W socket.cpp:123] warning: some noise", "Traceback-looking noise {\"not\": json", "",
+         "=== not a marker ===", "loss 2.3 tok/s 4000"]
+
+
+def test_emit_then_extract_round_trip():
+    text = "\n".join(NOISE + block(0) + NOISE + block(1) + NOISE)
+    results = extract_results(text, expected_ranks=2)
+    assert list(results) == [0, 1] and results[1] == json.loads(json.dumps(record(1)))
+
+
+def test_interleaved_torchrun_console_with_timestamps():
+    """torchrun --tee prefixes lines with [defaultN]:, and two ranks' lines interleave; kubectl logs
+    --timestamps adds a timestamp in front of every line."""
+    a, b = block(0, prefix="[default0]:"), block(1, prefix="[default1]:")
+    lines = [a[0], b[0], "[default1]:noise from rank 1", a[1], b[1], "[default0]:more noise", b[2], a[2]]
+    stamped = [f"2026-01-06T12:00:0{i % 10}.123456789Z {line}" for i, line in enumerate(NOISE + lines)]
+    for text in ("\n".join(lines), "\n".join(stamped)):
+        assert sorted(extract_results(text, expected_ranks=2)) == [0, 1]
+
+
+def test_per_rank_files(tmp_path):
+    paths = []
+    for rank in range(2):
+        p = tmp_path / f"{rank}" / "stdout.log"
+        p.parent.mkdir()
+        p.write_text("\n".join(NOISE + block(rank) + NOISE) + "\n")
+        paths.append(p)
+    assert sorted(extract_results(paths, expected_ranks=[0, 1])) == [0, 1]
+    with pytest.raises(ResultLogError, match="rank 1 reported twice"):
+        extract_results([paths[0], paths[1], paths[1]])
+
+
+def test_truncated_json_names_the_log_and_lines(tmp_path):
+    lines = block(0)
+    lines[1] = lines[1][: len(lines[1]) // 2]  # the pod was killed mid-write, then the END was printed
+    log = tmp_path / "console.log"
+    log.write_text("\n".join(NOISE + lines + block(1)) + "\n")
+    with pytest.raises(ResultLogError) as info:
+        extract_results(log, expected_ranks=2)
+    msg = str(info.value)
+    start = len(NOISE) + 1
+    assert f"{log}:{start}-{start + 2}" in msg and "rank 0" in msg and "not valid JSON" in msg
+
+
+def test_start_without_end_at_end_of_log():
+    lines = NOISE + block(0) + block(1)[:2]  # the log was cut after rank 1's JSON
+    with pytest.raises(ResultLogError, match=r"<log text>:%d: result of rank 1 has a START marker but the log ends"
+                       % (len(NOISE) + 4)):
+        extract_results("\n".join(lines))
+
+
+def test_start_without_end_before_next_start():
+    lines = block(0)[:2] + block(1)
+    with pytest.raises(ResultLogError, match="rank 0 has a START marker but no END before the next START"):
+        extract_results("\n".join(lines))
+
+
+def test_end_without_start_and_mismatched_markers():
+    with pytest.raises(ResultLogError, match=r":2: END marker of rank 0 without a START"):
+        extract_results("\n".join(["noise"] + block(0)[2:]))
+    lines = block(0)
+    lines[2] = lines[2].replace("rank=0", "rank=1")
+    with pytest.raises(ResultLogError, match="START of rank 0 closed by END of rank 1"):
+        extract_results("\n".join(lines))
+
+
+def test_record_rank_must_agree_with_markers():
+    buf = io.StringIO()
+    emit_result(record(0), rank=1, stream=buf)
+    with pytest.raises(ResultLogError, match="markers say rank 1, the record says rank 0"):
+        extract_results(buf.getvalue())
+
+
+def test_duplicate_and_missing_and_unexpected_ranks():
+    with pytest.raises(ResultLogError, match="rank 0 reported twice"):
+        extract_results("\n".join(block(0) + block(0)))
+    with pytest.raises(ResultLogError, match=r"missing rank\(s\) 1, 3 \(expected 0, 1, 2, 3; found 0, 2\)"):
+        extract_results("\n".join(block(0) + NOISE + block(2)), expected_ranks=4)
+    with pytest.raises(ResultLogError, match=r"unexpected rank\(s\) 2"):
+        extract_results("\n".join(block(0) + block(1) + block(2)), expected_ranks=2)
+    with pytest.raises(ResultLogError, match="found none"):
+        extract_results("\n".join(NOISE), expected_ranks=1)
+
+
+def test_collect_run_prefers_console_then_rank_logs(tmp_path):
+    run = tmp_path / "run"
+    ranks = run / "torchrun" / "abc_1" / "attempt_0"
+    for rank in range(2):
+        (ranks / str(rank)).mkdir(parents=True)
+        (ranks / str(rank) / "stdout.log").write_text("\n".join(block(rank)) + "\n")
+    assert sorted(collect.collect_run(run, expected_ranks=2)) == [0, 1]  # no console.log: rank logs
+    (run / "console.log").write_text("\n".join(block(0, prefix="[default0]:")) + "\n")
+    with pytest.raises(ResultLogError, match="missing rank"):
+        collect.collect_run(run, expected_ranks=2)  # the console wins, and it lacks rank 1
+    assert sorted(collect.collect_run(run, expected_ranks=2, source="ranks")) == [0, 1]
+    with pytest.raises(ResultLogError, match="no console.log and no per-rank logs"):
+        collect.collect_run(tmp_path / "empty")
+
+
+def test_aggregate_plots_and_report(tmp_path):
+    runs = [{0: record(0, world=1, strategy="single", run="base", tps=100)},
+            {r: record(r, strategy="ddp", run="ddp", tps=180) for r in range(2)},
+            {r: record(r, strategy="fsdp", run="fsdp", tps=150, comm=None) for r in range(2)}]
+    df = collect.aggregate(runs)
+    assert list(df.columns) == collect.METRICS
+    row = df.set_index("run").loc["ddp"]
+    assert row["scaling_efficiency_pct"] == pytest.approx(90.0)
+    assert row["tokens_per_sec"] == pytest.approx(180.0)  # steady state: the slow first step is skipped
+    assert row["peak_mem_mib_per_rank"] == "500;501" and row["comm_time_share_pct"] == pytest.approx(20.0)
+    assert df.set_index("run").loc["fsdp", "comm_time_share_pct"] != df.set_index("run").loc["fsdp", "comm_time_share_pct"]  # NaN
+    stamp = {"device": "test", "model": "tiny", "world_size": "1/2", "commit": "x", "date": "today"}
+    csv = collect.save_metrics(df, tmp_path, stamp)
+    plots = collect.save_plots(df, tmp_path, stamp)
+    report = collect.write_report(df, tmp_path, stamp, sections={"Extra": df[["run", "mean_loss"]]})
+    assert csv.name == "strategy_metrics.csv" and len(plots) == 4
+    assert all(p.exists() and p.with_name(p.name + ".provenance.json").exists() for p in plots + [csv, report])
+    text = report.read_text()
+    assert "#### LoRA: metrics" in text and "#### Extra" in text and "_Provenance: test |" in text
+    assert not any(line.startswith(("# ", "## ", "### ")) for line in text.splitlines())  # nests in the book
+    resumed = {0: record(0), 1: {**record(1), "steps": [2, 3], "loss": [2.5, 2.0], "tokens": [50.0] * 2,
+                                 "step_time_s": [0.6, 0.6], "comm_time_s": [0.1] * 2}}
+    row = collect.run_metrics(resumed, skip_steps=0)  # after a resume rank 1 logs only the new steps
+    assert row["steps"] == 2 and row["mean_step_time_sec"] == pytest.approx(0.6)
+    with pytest.raises(FileNotFoundError, match="no such log file"):
+        extract_results(tmp_path / "missing.log")
+    with pytest.raises(ValueError, match="another run"):
+        collect.run_metrics({0: record(0), 1: record(1, strategy="ddp")})
+    with pytest.raises(ValueError, match="expected 0..1"):
+        collect.run_metrics({0: record(0)})

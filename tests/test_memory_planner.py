@@ -1,0 +1,150 @@
+"""The memory planner from configs alone: the parameter layout it assumes is the real one (checked
+against models built on the meta device, so 7B shapes cost nothing), the strategy rules hold, and
+the recommender walks the LAN-cluster guide's decision tree with numbers. The planner against
+measured per-rank bytes of real 2-rank runs is in test_fsdp_zero.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distlab import memory
+from distlab.config import LORA_TARGETS
+
+GIB = 2**30
+
+
+def meta_model(shape: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(shape)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name", list(memory.SEED_MODELS))
+def test_layout_is_the_real_models_parameters(name):
+    shape = memory.SEED_MODELS[name]
+    model = meta_model(shape)
+    real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied head appears once
+    planned = [(p.name, p.shape) for p in memory.parameter_layout(shape)]
+    assert planned == real
+    published = {"Llama-2-7B": 6.74e9, "Qwen2.5-7B-Instruct": 7.62e9, "Qwen2.5-3B-Instruct": 3.09e9, "Qwen3-0.6B": 0.596e9}
+    assert memory.parameter_count(shape) == pytest.approx(published[name], rel=0.005)
+
+
+def test_lora_layout_follows_peft(tiny_model):
+    """PEFT's trainable adapters, in the order ZeRO-2 flattens them, for the tiny model (a real config object)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=8, target_modules=["q_proj", "down_proj"]))
+    real = [(n.replace("base_model.model.", "").replace(".base_layer", "").replace(".default", ""), tuple(p.shape),
+             p.requires_grad) for n, p in peft.named_parameters()]
+    planned = [(p.name, p.shape, p.trainable)
+               for p in memory.parameter_layout(tiny_model.config, 8, ["q_proj", "down_proj"])]
+    assert planned == real
+    assert memory.lora_parameter_count(tiny_model.config, 8, ["q_proj", "down_proj"]) == \
+        sum(p.numel() for p in peft.parameters() if p.requires_grad)
+
+
+def test_planner_rules(tiny_model):
+    cfg = tiny_model.config
+    kw = dict(lora_r=None, micro_batch=2, seq_len=256)
+    single = memory.plan_memory(cfg, strategy="single", **kw)
+    ddp = memory.plan_memory(cfg, strategy="ddp", world_size=4, **kw)
+    assert single.state == ddp.state and ddp.buffers == single.gradients  # DDP's buckets copy the gradients
+    n = memory.parameter_count(cfg)
+    assert single.weights == single.gradients == 4 * n and single.optimizer_state == 8 * n
+    for world in (2, 4):
+        fsdp = memory.plan_memory(cfg, strategy="fsdp", world_size=world, **kw)
+        zero2 = memory.plan_memory(cfg, strategy="zero2", world_size=world, **kw)
+        zero3 = memory.plan_memory(cfg, strategy="zero3", world_size=world, **kw)
+        assert fsdp.weights == pytest.approx(single.weights / world, rel=0.01)  # dim-0 shards, padded
+        assert fsdp.optimizer_state == pytest.approx(single.optimizer_state / world, rel=0.01)
+        assert zero2.weights == pytest.approx(single.weights, rel=0.001)  # replicated (flat, padded)
+        assert zero2.optimizer_state == pytest.approx(12 * n / world, rel=0.01)  # fp32 master + 2 moments
+        assert zero3.optimizer_state == pytest.approx(12 * n / world, rel=0.01)
+        assert zero3.weights > fsdp.weights  # small tensors stay whole under ZeRO-3's persistence threshold
+        for b in (fsdp, zero2, zero3):
+            assert b.activations == single.activations  # sharding state does not shard activations
+    # The ranks of ZeRO-2 differ where a partition boundary cuts a tensor: the planner knows which.
+    per_rank = [memory.plan_memory(cfg, strategy="zero2", world_size=2, rank=r, **kw).gradients for r in (0, 1)]
+    assert per_rank[0] != per_rank[1] and max(per_rank) == memory.plan_memory(cfg, strategy="zero2",
+                                                                               world_size=2, **kw).gradients
+
+
+def test_pipeline_divides_layers_and_replicates_nothing_else():
+    cfg = memory.LLAMA2_7B
+    whole = memory.plan_memory(cfg, strategy="single", lora_r=None, weight_bytes=2)
+    stages = [memory.plan_memory(cfg, strategy="pipeline", world_size=4, pipeline_stages=4, rank=r, lora_r=None,
+                                 weight_bytes=2, grad_accum=8) for r in range(4)]
+    assert sum(s.weights for s in stages) == pytest.approx(whole.weights)  # untied: every tensor on one stage
+    assert stages[0].activations > stages[3].activations - (whole.activations - memory.plan_memory(
+        cfg, strategy="single", lora_r=None, weight_bytes=2, loss_token_fraction=0.0).activations)  # 1F1B: 4 in flight
+    with pytest.raises(ValueError, match="multiple of pipeline_stages"):
+        memory.plan_memory(cfg, strategy="pipeline", world_size=6, pipeline_stages=4)
+
+
+def test_dtypes_and_guards():
+    cfg = memory.QWEN25_7B
+    bf16 = memory.plan_memory(cfg, dtype="bf16", lora_r=16)
+    q4 = memory.plan_memory(cfg, dtype="4bit", lora_r=16)
+    assert q4.weights == pytest.approx(bf16.weights / 4) and q4.adapter_weights == 2 * bf16.adapter_weights
+    with pytest.raises(ValueError, match="only be trained through LoRA"):
+        memory.plan_memory(cfg, dtype="4bit", lora_r=None)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        memory.plan_memory(cfg, strategy="tensor")
+    # DeepSpeed's bf16 mode: bf16 model, fp32 master copy in the optimizer state
+    z3 = memory.plan_memory(cfg, strategy="zero3", world_size=8, dtype="bf16-autocast", lora_r=None)
+    n = memory.parameter_count(cfg)
+    assert z3.optimizer_state == pytest.approx(12 * n / 8, rel=0.01)
+
+
+def test_estimate_and_planner_agree_on_one_device(tiny_model):
+    est = memory.estimate_training_memory(tiny_model.config, lora_r=16, micro_batch=2, seq_len=256, lora_dropout=0.0)
+    plan = memory.plan_memory(tiny_model.config, strategy="single", lora_r=16, lora_targets=LORA_TARGETS,
+                              micro_batch=2, seq_len=256)
+    assert est.as_dict() == plan.as_dict()
+
+
+def test_measure_owned_state_counts_storages_once(tiny_model):
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    opt = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    opt.step()
+    got = memory.measure_owned_state(model, opt)
+    plan = memory.plan_memory(tiny_model.config, strategy="single", lora_r=None)
+    for part in ("weights", "adapter_weights", "gradients", "optimizer_state"):
+        assert getattr(got, part) == getattr(plan, part), part
+    flat = torch.zeros(10)
+    assert memory.owned_bytes([flat[:3], flat[3:], flat]) == 40  # views of one buffer: the buffer, once
+
+
+def test_recommender_replays_the_lan_cluster_decision_tree():
+    lan = memory.LAN_CLUSTER
+    small = memory.recommend(memory.QWEN3_06B, lan, lora_r=16, model_name="Qwen3-0.6B")
+    assert small.strategy == "ddp" and small.weight_bytes == 2 and small.per_device["fits"].all()
+    assert any("YES on every GPU" in line for line in small.reasoning)
+    assert any("lock-step" in line for line in small.reasoning)  # heterogeneous GPUs
+
+    # Llama-2-7B + LoRA in bf16 does not fit one GPU; sharded it would, but over a 1 Gbit/s LAN the
+    # all-gathers cost minutes per step, and 4-bit weights fit every GPU: the guide's QLoRA + DDP.
+    llama = memory.recommend(memory.LLAMA2_7B, lan, lora_r=16, lora_targets=["q_proj", "v_proj"])
+    assert (llama.strategy, llama.weight_bytes) == ("ddp", 0.5)
+    text = "\n".join(llama.reasoning)
+    assert "NO" in text and "FSDP" in text and "all-gathers the weights twice" in text
+    fast = memory.recommend(memory.LLAMA2_7B, lan, lora_r=16, lora_targets=["q_proj", "v_proj"], link_gbit=None)
+    assert fast.strategy == "fsdp" and fast.per_device["fits"].all()
+
+    full = memory.recommend(memory.QWEN3_06B, lan, lora_r=None)
+    assert full.strategy == "zero2"  # weights fit, gradients + fp32 moments do not: shard those
+    h100 = memory.recommend(memory.QWEN25_7B, [{"name": "H100", "memory_gb": 80}] * 8, lora_r=None, link_gbit=400)
+    assert h100.strategy == "zero2" and h100.plan.total < 78.5 * GIB  # weights fit an 80 GB GPU whole
+    a100 = memory.recommend(memory.QWEN25_7B, [{"name": "A100", "memory_gb": 40}] * 4, lora_r=None, link_gbit=400)
+    assert a100.strategy == "fsdp" and a100.per_device["fits"].all()  # only 1/4 of everything fits 40 GB
+    none = memory.recommend(memory.QWEN25_7B, lan, lora_r=None)
+    assert none.strategy == "none" and "Nothing fits" in none.reasoning[-1]
