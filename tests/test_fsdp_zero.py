@@ -1,7 +1,7 @@
 """FSDP2 and DeepSpeed ZeRO-2/3 under real torchrun (gloo, 2 ranks), LoRA and full fine-tuning.
 
-One short run per strategy and mode (shared by every test here, module-scoped): the loss curve of
-each sharded strategy matches DDP's for the same seed and global batch; every rank prints its
+One short run per strategy and mode (shared by every test here, module-scoped): the loss curve and
+the held-out loss of each sharded strategy match DDP's for the same seed and global batch; every rank prints its
 result between markers and the collector reads them back from the console log; the bytes of
 weights, gradients and optimizer state each rank really owns match the planner (distlab.memory)
 within 5% for single, DDP, FSDP, ZeRO-2 and ZeRO-3; the exported adapter/model loads with
@@ -24,7 +24,7 @@ STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]
 MODES = ["lora", "full"]
 STEPS = 3
 COMMON = {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "seq_len": 256, "logging_steps": 1,
-          "lora_dropout": 0.0, "eval_at_start": False, "eval_file": None, "measure_state": True,
+          "lora_dropout": 0.0, "eval_at_start": False, "measure_state": True,
           "measure_comm": True, "checkpoint_steps": 2}
 LOSS_RTOL = 1e-5  # fp32 on CPU: only the order of additions differs between strategies (observed ~1e-7)
 STATE_RTOL = 0.05
@@ -50,14 +50,22 @@ def losses(job) -> list[float]:
     return [r["loss"] for r in read_log(job.log)]
 
 
+def evals(job) -> list[float]:
+    return [r["eval_loss"] for r in read_log(job.log, event="eval")]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sharded_loss_curves_match_ddp(runs, mode):
     _, jobs = runs
     ref = losses(jobs[("ddp", mode)])
     assert len(ref) == STEPS
     assert ref == pytest.approx(losses(jobs[("single", mode)]), rel=LOSS_RTOL)
+    ref_eval = evals(jobs[("ddp", mode)])
     for strategy in ("fsdp", "zero2", "zero3"):
         assert losses(jobs[(strategy, mode)]) == pytest.approx(ref, rel=LOSS_RTOL), strategy
+        # held-out loss at the end: 49 rows over 2 ranks, so one rank runs an extra forward pass in
+        # lockstep for the sharded strategies (their forward is collective)
+        assert evals(jobs[(strategy, mode)]) == pytest.approx(ref_eval, rel=LOSS_RTOL), strategy
     if mode == "full":
         assert ref[-1] < ref[0]  # full fine-tuning of a random model drops fast
 

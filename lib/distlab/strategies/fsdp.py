@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..device import DeviceChoice
+from ..device import DeviceChoice, autocast
 from .ddp import DistributedStrategy
 
 # Collectives whose time counts as communication. FSDP2 calls the first two, DeepSpeed most of the
@@ -114,6 +115,32 @@ def _payload_bytes(args, kwargs) -> int:
     return best
 
 
+@torch.no_grad()
+def evaluate_in_lockstep(strategy, model, data, choice: DeviceChoice, batch_size: int = 8, cast=None) -> float:
+    """Token-weighted held-out loss like Strategy.evaluate, for strategies whose forward pass is
+    collective (FSDP2 and ZeRO-3 all-gather each layer's weights): every rank must run the same
+    number of forward passes, so a rank whose share of rows is a batch shorter runs one more on a
+    stand-in batch whose loss is not counted. `cast(choice)` gives the forward's autocast context."""
+    from ..data import model_inputs
+
+    cast = cast or autocast
+    was_training = model.training
+    model.eval()
+    rows = list(range(strategy.data_parallel_rank, len(data), strategy.data_parallel_size))
+    most = math.ceil(len(data) / strategy.data_parallel_size)  # rank 0 has the most rows
+    totals = torch.zeros(2, dtype=torch.float64)
+    for i in range(0, most, batch_size):
+        chunk = rows[i:i + batch_size]
+        batch = data.batch(chunk or [0])
+        with cast(choice):
+            loss = float(model(**model_inputs(batch, choice.device)))
+        if chunk:
+            totals += torch.tensor([loss, batch["n_label_tokens"]], dtype=torch.float64)
+    totals = strategy.all_reduce_sum(totals.to(choice.device)).cpu()
+    model.train(was_training)
+    return float(totals[0] / totals[1])
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a distlab CausalLMWithLoss (under a PEFT wrapper or not)."""
     layers = getattr(model.causal_lm.get_decoder(), "layers", None)
@@ -175,6 +202,9 @@ class FSDPStrategy(DistributedStrategy):
         if sync:
             return contextlib.nullcontext()
         return _no_gradient_sync(model)
+
+    def evaluate(self, model, data, choice: DeviceChoice, batch_size: int = 8) -> float:
+        return evaluate_in_lockstep(self, model, data, choice, batch_size)
 
     def step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -238,7 +268,10 @@ class FSDPStrategy(DistributedStrategy):
             get_model_state_dict,
         )
 
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # LoRA: gather only the adapters (the frozen base model is the one from_pretrained already has)
+        lora = bool(self.cfg and self.cfg.lora)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                   ignore_frozen_params=lora))
         if self.is_main:
             save_consolidated(model, full, path, tokenizer)
         self.barrier()

@@ -46,7 +46,7 @@ import torch
 from ..data import model_inputs
 from ..device import DeviceChoice, autocast
 from .ddp import DistributedStrategy
-from .fsdp import CollectiveTimer, save_consolidated
+from .fsdp import CollectiveTimer, evaluate_in_lockstep, save_consolidated
 from .single import cosine_with_warmup
 
 SHM_OP = "deepspeed_shm_comm"
@@ -218,16 +218,24 @@ class ZeroStrategy(DistributedStrategy):
         scale = self.data_parallel_size / global_label_tokens
         local = 0.0
         last = len(micro_batches) - 1
-        # DeepSpeed's bf16 mode already holds the model in bf16; torch autocast is for fp32 models.
-        cast = choice if not (self.ds_config or {}).get("bf16", {}).get("enabled") else None
         for i, batch in enumerate(micro_batches):
-            with autocast(cast) if cast is not None else contextlib.nullcontext():
+            with self._cast(choice):
                 loss_sum = model(**model_inputs(batch, choice.device))
             model.backward(loss_sum * scale, scale_wrt_gas=False)
             if i < last:
                 model.step()  # not the boundary: DeepSpeed only counts the micro-step
             local += loss_sum.item() / global_label_tokens
         return local
+
+    def _cast(self, choice: DeviceChoice):
+        """Torch autocast for fp32 models; DeepSpeed's bf16 mode already holds the model in bf16."""
+        if (self.ds_config or {}).get("bf16", {}).get("enabled"):
+            return contextlib.nullcontext()
+        return autocast(choice)
+
+    def evaluate(self, model, data, choice: DeviceChoice, batch_size: int = 8) -> float:
+        # ZeRO-3 gathers weights in every forward: all ranks must run as many as the busiest one
+        return evaluate_in_lockstep(self, model, data, choice, batch_size, cast=self._cast)
 
     def step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
         if not model.is_gradient_accumulation_boundary():
@@ -269,7 +277,8 @@ class ZeroStrategy(DistributedStrategy):
     def save_model(self, model, path: Path, tokenizer=None) -> None:
         if self.stage < 3:  # whole weights on every rank: rank 0 saves as on one device
             return super().save_model(model, path, tokenizer)
-        full = model._zero3_consolidated_16bit_state_dict()  # gathered layer by layer onto rank 0
+        # gathered layer by layer onto rank 0; LoRA: only the adapters
+        full = model._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=bool(self.cfg and self.cfg.lora))
         if self.is_main:
             save_consolidated(model.module, full, path, tokenizer)
         self.barrier()
