@@ -235,10 +235,10 @@ def bubble_sweep(microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence
                 row[f"idle_stage{s}"] = idle
             row.update(step_ms=agg["pipeline_span_s"] * 1e3, comm_ms=agg["comm_time_s"] * 1e3,
                        p2p_blocked_ms=agg["p2p_blocked_s"] * 1e3)
-            last = read_log(job.log)[-1]  # activation peaks: the most any step held, per stage
-            for s, nbytes in enumerate(last.get("stage_activation_peak_bytes", [])):
-                row[f"act_peak_stage{s}(MiB)"] = max(r["stage_activation_peak_bytes"][s]
-                                                     for r in read_log(job.log)[skip_steps:] or [last]) / 2**20
+            logged = read_log(job.log)  # activation peaks: the most any steady-state step held, per stage
+            steady = logged[skip_steps:] or logged[-1:]
+            for s in range(len(steady[-1].get("stage_activation_peak_bytes", []))):
+                row[f"act_peak_stage{s}(MiB)"] = max(r["stage_activation_peak_bytes"][s] for r in steady) / 2**20
             row["run_dir"] = str(job.output_dir)
             rows.append(row)
             if echo:
@@ -277,20 +277,27 @@ def table_row(job, *, strategy: str, micro: int, ga: int, ckpt: bool, dtype: str
     return row
 
 
-def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3.2)):
-    """Gantt charts side by side, one per labelled run folder (its last step by default), on a
-    common time axis. Returns the figure."""
+def typical_step(records: Sequence[dict], skip_steps: int = 1) -> dict:
+    """The steady-state step whose span is the median one (a representative step to draw)."""
+    steady = [r for r in records if r["step"] > skip_steps] or list(records)
+    spans = sorted(steady, key=lambda r: stage_idle(r["events"])["span_s"])
+    return spans[(len(spans) - 1) // 2]
+
+
+def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3.4)):
+    """Gantt charts side by side, one per labelled run folder, on a common time axis: the given
+    step, or each run's typical step (median span). Returns the figure."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(runs), figsize=figsize, sharex=True)
     axes = [axes] if len(runs) == 1 else list(axes)
     for ax, (label, run_dir) in zip(axes, runs.items()):
         records = read_timeline(run_dir)
-        rec = records[-1] if step is None else next(r for r in records if r["step"] == step)
+        rec = typical_step(records) if step is None else next(r for r in records if r["step"] == step)
         s = stage_idle(rec["events"])
-        plot_timeline(ax, rec["events"], f"{label}: m={rec['microbatches']}, bubble {s['bubble']:.2f} "
-                                         f"(theory {theoretical_bubble(rec['stages'], rec['microbatches']):.2f})")
+        plot_timeline(ax, rec["events"], f"{label}: m={rec['microbatches']}, step {rec['step']}, bubble "
+                                         f"{s['bubble']:.2f} (theory {theoretical_bubble(rec['stages'], rec['microbatches']):.2f})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0", "#DD8452")]
     axes[-1].legend(handles, ["forward", "backward"], fontsize=7, loc="lower right")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))  # room for the provenance line
     return fig

@@ -428,6 +428,7 @@ class PipelineStrategy(DistributedStrategy):
         self._loss_scale = 1.0
         self._step = 0
         self._timeline_path: Path | None = None
+        self._p2p_timed = False
 
     # --- process group
     def setup(self, cfg) -> None:
@@ -493,10 +494,8 @@ class PipelineStrategy(DistributedStrategy):
         self.build_schedule(cfg.pipeline_schedule, cfg.micro_steps(1))
         optimizer = self.make_optimizer(stage, cfg.lr, cfg.weight_decay)
         if self.is_main:
-            split = ", ".join(f"stage {s}: layers {r.start}-{r.stop - 1}" + (" + embeddings" if s == 0 else "")
-                              + (" + norm/head/loss" if s == self.num_stages - 1 else "") for s, r in enumerate(ranges))
             print(f"[distlab] pipeline {self.schedule_used} with {self.microbatches} micro-batch(es) of "
-                  f"{cfg.micro_batch_size} row(s); {split}", flush=True)
+                  f"{cfg.micro_batch_size} row(s); " + "; ".join(describe_split(ranges)), flush=True)
         return wrapped, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
 
     def build_schedule(self, schedule: str, microbatches: int) -> None:
@@ -538,8 +537,6 @@ class PipelineStrategy(DistributedStrategy):
         args, kwargs = self._stage_inputs(batch)
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         target = batch["labels"] if self.is_last else None
-        if self.recorder is not None and self.recorder.enabled:
-            self.recorder.events.append({"stage": self.stage_index, "kind": "step", "t0": self.recorder.now(), "t1": 0.0})
         with autocast(choice), timed_p2p(self.recorder, {r: r for r in range(self.world_size)}) as self._p2p_timed:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         local = torch.tensor([sum(float(x.detach()) for x in losses) if losses else 0.0], dtype=torch.float64, device=choice.device)
@@ -550,8 +547,8 @@ class PipelineStrategy(DistributedStrategy):
         params = [p for p in self.stage_module.parameters() if p.requires_grad]
         if self.tie_group is not None and self.tied_param is not None and self.tied_param.grad is not None:
             dist.all_reduce(self.tied_param.grad, group=self.tie_group)
-        counted = [p for p in params if p.grad is not None and not (self.is_last and p is self.tied_param
-                                                                      and self.num_stages > 1)]
+        # the tied weight's (already summed) gradient is counted once, on the first stage
+        counted = [p for p in params if p.grad is not None and not (self.is_last and p is self.tied_param)]
         sq = torch.zeros(1, dtype=torch.float64, device=self.choice.device)
         for p in counted:  # per-tensor norms in the gradient's dtype, as clip_grad_norm_ computes them
             sq += torch.linalg.vector_norm(p.grad.detach()).double() ** 2
@@ -579,7 +576,7 @@ class PipelineStrategy(DistributedStrategy):
                 "act_peak": self.recorder.meter.take_peak() if self.recorder.meter else 0}
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, mine)
-        events = [e for r in every for e in r["events"] if e["kind"] != "step"]
+        events = [e for r in every for e in r["events"]]
         summary = step_summary(events)
         stats = {
             "comm_time_s": summary["comm_time_s"] if self._p2p_timed else float("nan"),
@@ -668,10 +665,8 @@ class PipelineStrategy(DistributedStrategy):
                 save_file(merged, str(Path(path) / "adapter_model.safetensors"), metadata={"format": "pt"})
             else:
                 causal = model.causal_lm
-                if causal.config.get_text_config().tie_word_embeddings if hasattr(causal.config, "get_text_config") \
-                        else getattr(causal.config, "tie_word_embeddings", False):
-                    head_key = [k for k in merged if k.endswith("lm_head.weight")]
-                    for k in head_key:
+                if getattr(causal.config, "tie_word_embeddings", False):  # the head is the embedding: saved once
+                    for k in [k for k in merged if k.endswith("lm_head.weight")]:
                         merged.pop(k)
                 causal.save_pretrained(path, state_dict=merged)
             if tokenizer is not None:
