@@ -138,13 +138,13 @@ def test_recommender_replays_the_lan_cluster_decision_tree():
     text = "\n".join(llama.reasoning)
     assert "NO" in text and "FSDP" in text and "all-gathers the weights twice" in text
     fast = memory.recommend(memory.LLAMA2_7B, lan, lora_r=16, lora_targets=["q_proj", "v_proj"], link_gbit=None)
-    assert fast.strategy == "fsdp" and fast.per_device["fits"].all()
+    assert fast.strategy in ("fsdp", "zero3") and fast.per_device["fits"].all()
 
     full = memory.recommend(memory.QWEN3_06B, lan, lora_r=None)
     assert full.strategy == "zero2"  # weights fit, gradients + fp32 moments do not: shard those
     h100 = memory.recommend(memory.QWEN25_7B, [{"name": "H100", "memory_gb": 80}] * 8, lora_r=None, link_gbit=400)
     assert h100.strategy == "zero2" and h100.plan.total < 78.5 * GIB  # weights fit an 80 GB GPU whole
     a100 = memory.recommend(memory.QWEN25_7B, [{"name": "A100", "memory_gb": 40}] * 4, lora_r=None, link_gbit=400)
-    assert a100.strategy == "fsdp" and a100.per_device["fits"].all()  # only 1/4 of everything fits 40 GB
+    assert a100.strategy in ("fsdp", "zero3") and a100.per_device["fits"].all()  # only 1/4 of everything fits
     none = memory.recommend(memory.QWEN25_7B, lan, lora_r=None)
     assert none.strategy == "none" and "Nothing fits" in none.reasoning[-1]

@@ -749,8 +749,10 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
         reasoning.append(f"   ZeRO-2 (weights replicated, gradients + optimizer sharded) needs {gib(zero2.total):.2f} GiB "
                          f"per GPU <= {smallest:.1f} -> ZeRO-2, with DDP's communication volume.")
         return result("zero2", weight_bytes, zero2)
-    sharded = consider("fsdp", weight_bytes)
-    consider("zero3", weight_bytes)
+    # FSDP2 and ZeRO-3 shard the same state; they differ in what stays gathered (FSDP2's root keeps the
+    # embedding and LM head from forward to backward, ZeRO-3 keeps tensors under 100k elements whole).
+    fsdp_plan, zero3_plan = consider("fsdp", weight_bytes), consider("zero3", weight_bytes)
+    sharded_name, sharded = ("fsdp", fsdp_plan) if fsdp_plan.total <= zero3_plan.total else ("zero3", zero3_plan)
     quant = None
     if lora and weight_bytes > 0.5:
         for wb in (1, 0.5):
@@ -760,8 +762,9 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
                     quant = (wb, q)
                     break
     if gib(sharded.total) <= smallest:
-        reasoning.append(f"   YES: FSDP / ZeRO-3 give each GPU 1/{n} of everything: {gib(sharded.total):.2f} GiB per GPU "
-                         f"(incl. {gib(sharded.buffers):.2f} GiB of gather buffers) <= {smallest:.1f} GiB on the smallest.")
+        reasoning.append(f"   YES: FSDP / ZeRO-3 give each GPU 1/{n} of everything: FSDP {gib(fsdp_plan.total):.2f} GiB, "
+                         f"ZeRO-3 {gib(zero3_plan.total):.2f} GiB per GPU (incl. gather buffers) <= {smallest:.1f} GiB "
+                         "on the smallest.")
         slow = comm_s("fsdp", weight_bytes)
         if link_gbit and slow > max_comm_s and quant is not None:
             wb, q = quant
@@ -771,10 +774,11 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
                              f"weights a replica needs {gib(q.total):.2f} GiB and fits every GPU: quantise and use DDP, "
                              f"which only all-reduces the adapters' gradients ({comm_s('ddp', wb):.2f} s per step).")
             return result("ddp", wb, q)
-        reasoning.append(f"3. Communication: {slow:.1f} s per step at {link_gbit} Gbit/s for the all-gathers -> FSDP "
-                         "(or DeepSpeed ZeRO-3: the same layout).")
-        return result("fsdp", weight_bytes, sharded)
-    reasoning.append(f"   NO: even sharded evenly, each GPU would need {gib(sharded.total):.2f} GiB > {smallest:.1f} GiB.")
+        reasoning.append(f"3. Communication: {slow:.1f} s per step at {link_gbit} Gbit/s for the all-gathers -> "
+                         f"{'FSDP' if sharded_name == 'fsdp' else 'DeepSpeed ZeRO-3'}, the smaller of the two here.")
+        return result(sharded_name, weight_bytes, sharded)
+    reasoning.append(f"   NO: even sharded evenly, each GPU would need {gib(sharded.total):.2f} GiB "
+                     f"({'FSDP' if sharded_name == 'fsdp' else 'ZeRO-3'}) > {smallest:.1f} GiB.")
 
     # 4. quantise, then offload
     if quant is not None:

@@ -161,11 +161,12 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
     """A folder with a random-init model of the tiny Qwen2's shape (same tokenizer, vocabulary,
     hidden size), but an FFN `intermediate_size` wide, built once under build/models.
 
-    Why: only the last stage runs the final norm, the LM head and the loss. With the tiny model's
-    FFN (688) that work is about half a decoder layer, so a [2, 2] split is ~20% unbalanced and the
-    lighter stage idles far more than (p-1)/(m+p-1) predicts. With a 4096-wide FFN a decoder layer
-    is ~9x the head's work per token and the stages are balanced to a few percent; the bubble then
-    measures the schedule, not the imbalance."""
+    Why: only the last stage runs the final norm, the LM head and the loss (and it computes the
+    input gradient it sends back, which the first stage skips). With the tiny model's FFN (688) that
+    is about half a decoder layer, so a [2, 2] split is ~20% unbalanced and the lighter stage idles
+    far more than (p-1)/(m+p-1) predicts. With a 4096-wide FFN the last stage is measured ~8% slower
+    per micro-batch on a 2-core CPU (two ranks, one thread each); the bubble then mostly measures the
+    schedule, and the remaining imbalance shows as the lighter stage idling a few hundredths more."""
     import json
     import shutil
 
