@@ -9,7 +9,6 @@ gone: in a container, orphans are re-parented to a PID 1 that may never reap the
 from __future__ import annotations
 
 import _thread
-import os
 import re
 import sys
 import textwrap
