@@ -44,8 +44,6 @@ strategies, distlab.strategies.zero.extensions_dir); rank 0 prints a line before
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
 from typing import Any
 
 import torch
@@ -205,22 +203,11 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
         self._counts = {"F": 0, "B": 0}
 
     def setup(self, cfg) -> None:
-        from .zero import comm_op_cached, comm_op_needed, use_extensions_cache
+        from .zero import init_deepspeed, use_extensions_cache
 
         cache = use_extensions_cache()  # before DeepSpeed builds anything
         super().setup(cfg)
-        import deepspeed
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING)
-        cold = comm_op_needed() and not comm_op_cached(cache)
-        if cold and self.is_main:
-            print(f"[distlab] compiling DeepSpeed's communication op (first use only, about a minute; "
-                  f"cached in {cache})...", flush=True)
-        t0 = time.perf_counter()
-        deepspeed.init_distributed(dist_backend=self.backend)
-        if cold and self.is_main:
-            print(f"[distlab] DeepSpeed's communication op is ready ({time.perf_counter() - t0:.0f}s)", flush=True)
+        init_deepspeed(self, cache)
 
     def ds_config(self, cfg, bf16: bool) -> dict[str, Any]:
         m = cfg.micro_steps(1)

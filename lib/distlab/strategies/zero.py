@@ -108,6 +108,23 @@ def prebuild_comm_op() -> Path:
     return path
 
 
+def init_deepspeed(strategy, cache: Path) -> None:
+    """deepspeed.init_distributed on the strategy's torch process group, saying so on the main rank
+    when DeepSpeed is about to compile its comm op (a cold cache), instead of hanging silently."""
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+
+    ds_logger.setLevel(logging.WARNING)
+    cold = comm_op_needed() and not comm_op_cached(cache)
+    if cold and strategy.is_main:
+        print(f"[distlab] compiling DeepSpeed's communication op (first use only, about a minute; "
+              f"cached in {cache})...", flush=True)
+    t0 = time.perf_counter()
+    deepspeed.init_distributed(dist_backend=strategy.backend)
+    if cold and strategy.is_main:
+        print(f"[distlab] DeepSpeed's communication op is ready ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+
 # ----------------------------------------------------------------------------- the config
 
 def deepspeed_config(cfg, data_parallel_size: int, stage: int, *, bf16: bool = False, on_gpu: bool = False,
@@ -173,18 +190,7 @@ class ZeroStrategy(DistributedStrategy):
         if cfg.measure_comm:
             # before DeepSpeed's comm backend starts: it keeps references to the collectives it uses
             self.timer = CollectiveTimer().install()
-        import deepspeed
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING)
-        cold = comm_op_needed() and not comm_op_cached(cache)
-        if cold and self.is_main:
-            print(f"[distlab] compiling DeepSpeed's communication op (first use only, about a minute; "
-                  f"cached in {cache})...", flush=True)
-        t0 = time.perf_counter()
-        deepspeed.init_distributed(dist_backend=self.backend)
-        if cold and self.is_main:
-            print(f"[distlab] DeepSpeed's communication op is ready ({time.perf_counter() - t0:.0f}s)", flush=True)
+        init_deepspeed(self, cache)
 
     def teardown(self) -> None:
         if self.timer is not None:
