@@ -52,6 +52,8 @@ def test_book_builds_and_every_page_loads_in_a_browser(executed):
     chromium, why = book.ensure_chromium()
     if chromium is None:
         pytest.fail(f"headless chromium is required for the site check: {why}")
+    # Pages with maths must render offline: MathJax comes from npm once (make book does the same).
+    assert book.find_mathjax() or book.fetch_mathjax(), "could not install MathJax from npm"
     built = book.build(paths.BOOK_DIR, root / "_build", figures_dir=figures, notebooks_dir=out,
                        summary_path=work / "summary.json")
     report = book.check_site(built.html_dir, chromium=chromium)
