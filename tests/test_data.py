@@ -187,10 +187,18 @@ def test_packed_attention_does_not_leak_between_samples(tmp_path, tokenizer, tin
     assert torch.allclose(out_packed[start:start + n], out_alone[:n], atol=1e-4)
 
 
+def full_logits_loss_sum(logits, labels):
+    """The textbook loss over every position's logits: the oracle for CausalLMWithLoss."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def test_padded_mode_matches_packed_loss(tokenizer, tmp_path, tiny_model):
     import torch
 
-    from distlab.train import causal_lm_loss_sum
+    from distlab.models import CausalLMWithLoss
 
     path = write_rows(tmp_path / "mix.jsonl", GOOD * 2)
     packed = build_sft_data(path, tokenizer, 256, packing=True)
@@ -202,7 +210,10 @@ def test_padded_mode_matches_packed_loss(tokenizer, tmp_path, tiny_model):
             batch = data.batch([i])
             inputs = {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
             with torch.no_grad():
-                total += float(causal_lm_loss_sum(tiny_model(**inputs, use_cache=False).logits, batch["labels"]))
+                oracle = full_logits_loss_sum(tiny_model(**inputs, use_cache=False).logits, batch["labels"])
+                selected = CausalLMWithLoss(tiny_model)(labels=batch["labels"], **inputs)
+            assert float(selected) == pytest.approx(float(oracle), rel=1e-5)  # head only at label positions
+            total += float(oracle)
             tokens += batch["n_label_tokens"]
         return total / tokens
 

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from . import checkpoint, faults, provenance
 from .config import TrainConfig, load_config, parse_override
-from .data import IGNORE_INDEX, build_sft_data
+from .data import build_sft_data
 from .device import choose_device, peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
 from .metrics import StepLog, train_flops_per_token
 from .models import CausalLMWithLoss, count_parameters, load_model, load_tokenizer
@@ -37,12 +36,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross entropy over label tokens, in fp32."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def apply_lora(model, cfg: TrainConfig):
