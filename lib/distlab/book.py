@@ -612,9 +612,19 @@ def check_site(html_dir: str | Path, *, screenshots_dir: str | Path | None = Non
             page.on("response", lambda resp: report.failed_resources.append(
                 (current["page"], resp.url, f"HTTP {resp.status}"))
                 if resp.status >= 400 and urllib.parse.urlsplit(resp.url)[:2] == origin else None)
-            page.on("requestfailed", lambda req: report.failed_resources.append(
-                (current["page"], req.url, req.failure or "failed"))
-                if urllib.parse.urlsplit(req.url)[:2] == origin else None)
+            aborted: list[tuple[str, str]] = []
+
+            def request_failed(req) -> None:
+                if urllib.parse.urlsplit(req.url)[:2] != origin:
+                    return
+                if "ERR_ABORTED" in (req.failure or ""):
+                    # Chromium aborts what a page still loads when the next navigation starts (a
+                    # redirect page, a lazy font): re-fetched below, reported only if it is broken.
+                    aborted.append((current["page"], req.url))
+                else:
+                    report.failed_resources.append((current["page"], req.url, req.failure or "failed"))
+
+            page.on("requestfailed", request_failed)
 
             for path in pages:
                 rel = path.relative_to(html_dir).as_posix()
@@ -642,8 +652,14 @@ def check_site(html_dir: str | Path, *, screenshots_dir: str | Path | None = Non
                 shot = shots / (rel.replace("/", "__").removesuffix(".html") + ".png")
                 page.screenshot(path=str(shot))
                 report.screenshots.append(shot)
+                _settle(page, page_timeout_s)
         finally:
             browser.close()
+
+        for page_rel, url in aborted:
+            status = _http_status(url)
+            if status != 200:
+                report.failed_resources.append((page_rel, url, f"aborted, then {status}"))
 
         for url, first_page in sorted(links.items()):
             report.links_checked += 1
@@ -665,6 +681,16 @@ def _evaluate(page, script: str, attempts: int = 5):
                 raise
             page.wait_for_load_state("load")
     return None
+
+
+def _settle(page, timeout_s: float) -> None:
+    """Let a page finish what it loads after `load` (MathJax, web fonts) before the next visit."""
+    from playwright.sync_api import Error
+
+    try:
+        page.wait_for_load_state("networkidle", timeout=timeout_s * 1000)
+    except Error:
+        pass  # a page that never goes idle is not broken; anything it lost is re-fetched later
 
 
 def _http_status(url: str, timeout_s: float = 10.0) -> int | str:

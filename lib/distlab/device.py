@@ -7,6 +7,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -136,14 +137,28 @@ def autocast(choice: DeviceChoice):
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: the CUDA allocator's counter, or on Linux the process's peak RSS (writing
+    5 to /proc/self/clear_refs resets VmHWM), so each run of a sweep reports its own peak."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux, or not allowed: the peak then counts from the process start
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: the CUDA allocator's peak on GPU, peak RSS on CPU."""
+    """Peak memory of this process since the last reset: the CUDA allocator's peak on GPU, peak
+    RSS on CPU (VmHWM; ru_maxrss, which cannot be reset, where /proc is missing)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 

@@ -4,6 +4,7 @@ streamed into the notebook, every process killed on failure).
 
     job = launch_training("ddp_ws2", world_size=2, overrides={"strategy": "ddp", "max_steps": 50})
     job.log  # build/runs/ddp_ws2/train_log.jsonl
+    jobs = launch_sweep("ga", 2, {"strategy": "ddp"}, {"ga2": {"grad_accum": 2}, "ga4": {"grad_accum": 4}})
 """
 
 from __future__ import annotations
@@ -48,18 +49,29 @@ def _yaml_value(value: Any) -> str:
 
 def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], config: str | Path = TINY_CONFIG,
                   max_restarts: int = 0, env: Mapping[str, str] | None = None, timeout_s: int = 900,
-                  runs_dir: Path = RUNS_DIR) -> LaunchSpec:
+                  runs_dir: Path = RUNS_DIR, variants: Mapping[str, Mapping[str, Any]] | None = None) -> LaunchSpec:
+    """The torchrun launch of one run, or of a sweep: with `variants` ({run name: overrides}),
+    one launch runs them back to back, each into runs_dir/<run name>."""
     output_dir = Path(runs_dir) / name
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     args = ["--config", str(config)]
-    for key, value in {**overrides, "output_dir": str(output_dir), "progress": False}.items():
+    common = {**overrides, "progress": False} if variants else {**overrides, "output_dir": str(output_dir), "progress": False}
+    for key, value in common.items():
         args += ["--set", f"{key}={_yaml_value(value)}"]
+    runs = [dict(overrides)]
+    for run_name, extra in (variants or {}).items():
+        args += ["--variant", _yaml_value({**extra, "output_dir": str(Path(runs_dir) / run_name)})]
+        runs.append({**overrides, **extra})
     # Pipeline strategies: the launcher checks the stage count (default: one stage per rank).
-    stages = (overrides.get("pipeline_stages") or world_size) if overrides.get("strategy") in PIPELINE_STRATEGIES else None
+    stage_counts = {(r.get("pipeline_stages") or world_size) for r in runs[1 if variants else 0:]
+                    if r.get("strategy") in PIPELINE_STRATEGIES}
+    if len(stage_counts) > 1:
+        raise ValueError(f"{name}: the runs of one launch must use one pipeline stage count, got {sorted(stage_counts)}")
+    what = f"{len(variants)} runs of distlab.train" if variants else "distlab.train"
     return LaunchSpec(module="distlab.train", args=args, nproc_per_node=world_size, max_restarts=max_restarts,
-                      pipeline_stages=stages,
+                      pipeline_stages=stage_counts.pop() if stage_counts else None,
                       env=env, log_dir=str(output_dir / "torchrun"), timeout_s=timeout_s, kill_after_s=45,
-                      python=sys.executable, description=f"{name}: distlab.train on {world_size} local rank(s)")
+                      python=sys.executable, description=f"{name}: {what} on {world_size} local rank(s)")
 
 
 def launch_training(name: str, world_size: int, overrides: Mapping[str, Any] | None = None, *,
@@ -68,14 +80,33 @@ def launch_training(name: str, world_size: int, overrides: Mapping[str, Any] | N
                     fresh: bool = True) -> TrainJob:
     """Write build/launch/<name>.sh and run it. `fresh` clears the run folder first (a resume test
     passes fresh=False to keep the checkpoints)."""
+    spec = training_spec(name, world_size, overrides or {}, config, max_restarts, env, timeout_s, runs_dir)
+    return _launch(spec, name, [name], timeout_s, runs_dir, echo, check, fresh)[name]
+
+
+def launch_sweep(name: str, world_size: int, overrides: Mapping[str, Any], variants: Mapping[str, Mapping[str, Any]],
+                 *, config: str | Path = TINY_CONFIG, env: Mapping[str, str] | None = None, timeout_s: int = 900,
+                 runs_dir: Path = RUNS_DIR, echo: bool = True, check: bool = True) -> dict[str, TrainJob]:
+    """Several runs ({run name: overrides on top of `overrides`}) in one torchrun launch, back to
+    back in the same ranks and process group: one interpreter start, import and rendezvous
+    instead of one per run. Each run gets its own folder and step log; they share the launch's
+    script, console log and wall time (`.result`). Returns {run name: TrainJob}, in order."""
+    if not variants:
+        raise ValueError(f"{name}: a sweep needs at least one variant")
+    spec = training_spec(name, world_size, overrides, config, 0, env, timeout_s, runs_dir, variants=variants)
+    return _launch(spec, name, list(variants), timeout_s, runs_dir, echo, check, fresh=True)
+
+
+def _launch(spec: LaunchSpec, name: str, run_names: list[str], timeout_s: int, runs_dir: Path, echo: bool,
+            check: bool, fresh: bool) -> dict[str, TrainJob]:
     import shutil
 
-    spec = training_spec(name, world_size, overrides or {}, config, max_restarts, env, timeout_s, runs_dir)
-    output_dir = Path(runs_dir) / name
+    launch_dir = Path(runs_dir) / name
     if fresh:
-        shutil.rmtree(output_dir, ignore_errors=True)
+        for run_name in {name, *run_names}:
+            shutil.rmtree(Path(runs_dir) / run_name, ignore_errors=True)
     script = write_scripts(spec, SCRIPTS_DIR, name)[0]
     # The script's own `timeout` fires first; the runner's limit is the backstop.
-    result = run(["bash", str(script)], timeout_s=timeout_s + 60, log_path=output_dir / "console.log",
+    result = run(["bash", str(script)], timeout_s=timeout_s + 60, log_path=launch_dir / "console.log",
                  env={"PYTHON": sys.executable}, echo=echo, check=check, cwd=os.getcwd())
-    return TrainJob(name, script, output_dir, result)
+    return {run_name: TrainJob(run_name, script, Path(runs_dir) / run_name, result) for run_name in run_names}

@@ -212,40 +212,44 @@ def bubble_sweep(microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence
                  model: str | None = None, micro_batch_size: int = 2, seq_len: int = 256, steps: int = 4,
                  skip_steps: int = 1, stages: int = 2, runs_dir=None, prefix: str = "bubble",
                  extra: dict | None = None, echo: bool = False, timeout_s: int = 900):
-    """One measured pipeline run per (schedule, m) through the training loop; a table with the
-    measured bubble (mean idle fraction over stages), per-stage idle, the theory and |diff|."""
+    """One measured pipeline run per (schedule, m) through the training loop, all in one launch
+    (jobs.launch_sweep); a table with the measured bubble (mean idle fraction over stages),
+    per-stage idle, the theory and |diff|."""
     import pandas as pd
 
-    from .jobs import launch_training
+    from .jobs import launch_sweep
     from .metrics import read_log
     from .paths import RUNS_DIR
 
+    base = {"strategy": "pipeline", "pipeline_stages": stages, "model": model, "micro_batch_size": micro_batch_size,
+            "seq_len": seq_len, "max_steps": steps, "warmup_steps": 1, "measure_comm": True, "eval_file": None,
+            "save_model": False, "logging_steps": 1, "lora_dropout": 0.0, **(extra or {})}
+    variants = {f"{prefix}_{schedule}_m{m}": {"pipeline_schedule": schedule, "grad_accum": m}
+                for schedule in schedules for m in microbatches}
+    jobs = launch_sweep(prefix, stages, base, variants, runs_dir=runs_dir or RUNS_DIR, echo=False,
+                        timeout_s=timeout_s)
     rows = []
-    for schedule in schedules:
-        for m in microbatches:
-            overrides = {"strategy": "pipeline", "pipeline_schedule": schedule, "pipeline_stages": stages,
-                         "model": model, "micro_batch_size": micro_batch_size, "grad_accum": m, "seq_len": seq_len,
-                         "max_steps": steps, "warmup_steps": 1, "measure_comm": True, "eval_file": None,
-                         "save_model": False, "logging_steps": 1, "lora_dropout": 0.0, **(extra or {})}
-            job = launch_training(f"{prefix}_{schedule}_m{m}", stages, overrides, runs_dir=runs_dir or RUNS_DIR,
-                                  echo=False, timeout_s=timeout_s)
-            agg = measure_run(job.output_dir, skip_steps)
-            row = {"schedule": schedule, "schedule_run": agg["schedule"], "m": m, "p": stages,
-                   "measured": agg["bubble_fraction"], "theory": agg["theory"], "abs_diff": abs(agg["diff"])}
-            for s, idle in enumerate(agg["stage_idle"]):
-                row[f"idle_stage{s}"] = idle
-            row.update(step_ms=agg["pipeline_span_s"] * 1e3, comm_ms=agg["comm_time_s"] * 1e3,
-                       p2p_blocked_ms=agg["p2p_blocked_s"] * 1e3)
-            logged = read_log(job.log)  # activation peaks: the most any steady-state step held, per stage
-            steady = logged[skip_steps:] or logged[-1:]
-            for s in range(len(steady[-1].get("stage_activation_peak_bytes", []))):
-                row[f"act_peak_stage{s}(MiB)"] = max(r["stage_activation_peak_bytes"][s] for r in steady) / 2**20
-            row["run_dir"] = str(job.output_dir)
-            rows.append(row)
-            if echo:
-                idle = " ".join(f"{row[f'idle_stage{s}']:.3f}" for s in range(stages))
-                print(f"{schedule:5s} m={m}: bubble measured {row['measured']:.3f} (stages {idle}), "
-                      f"theory {row['theory']:.3f}, step {row['step_ms']:.0f} ms", flush=True)
+    for name, job in jobs.items():
+        schedule, m = variants[name]["pipeline_schedule"], variants[name]["grad_accum"]
+        agg = measure_run(job.output_dir, skip_steps)
+        row = {"schedule": schedule, "schedule_run": agg["schedule"], "m": m, "p": stages,
+               "measured": agg["bubble_fraction"], "theory": agg["theory"], "abs_diff": abs(agg["diff"])}
+        for s, idle in enumerate(agg["stage_idle"]):
+            row[f"idle_stage{s}"] = idle
+        row.update(step_ms=agg["pipeline_span_s"] * 1e3, comm_ms=agg["comm_time_s"] * 1e3,
+                   p2p_blocked_ms=agg["p2p_blocked_s"] * 1e3)
+        logged = read_log(job.log)  # activation peaks: the most any steady-state step held, per stage
+        steady = logged[skip_steps:] or logged[-1:]
+        for s in range(len(steady[-1].get("stage_activation_peak_bytes", []))):
+            row[f"act_peak_stage{s}(MiB)"] = max(r["stage_activation_peak_bytes"][s] for r in steady) / 2**20
+        row["run_dir"] = str(job.output_dir)
+        rows.append(row)
+        if echo:
+            idle = " ".join(f"{row[f'idle_stage{s}']:.3f}" for s in range(stages))
+            print(f"{schedule:5s} m={m}: bubble measured {row['measured']:.3f} (stages {idle}), "
+                  f"theory {row['theory']:.3f}, step {row['step_ms']:.0f} ms", flush=True)
+    if echo:
+        print(f"{len(jobs)} runs in one launch: {next(iter(jobs.values())).result.elapsed_s:.0f} s", flush=True)
     return pd.DataFrame(rows)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from . import checkpoint, faults, provenance
 from .config import TrainConfig, load_config, parse_override
@@ -116,7 +117,8 @@ def _prepare(cfg: TrainConfig, strategy: Strategy):
     return choice, tokenizer, train_data, eval_data, CausalLMWithLoss(model)
 
 
-def train(cfg: TrainConfig, strategy: Strategy | None = None) -> TrainResult:
+def train(cfg: TrainConfig, strategy: Strategy | None = None, keep_group: bool = False) -> TrainResult:
+    """One run. `keep_group` leaves the process group up for a next run in the same processes."""
     strategy = strategy or make_strategy(cfg.strategy)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -124,7 +126,7 @@ def train(cfg: TrainConfig, strategy: Strategy | None = None) -> TrainResult:
     try:
         return _train(cfg, strategy)
     finally:
-        strategy.teardown()
+        strategy.teardown(keep_group)
 
 
 def _resume(cfg, strategy, model, optimizer, scheduler, batches, log: StepLog) -> int:
@@ -238,16 +240,44 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, first_step - 1, summary)
 
 
+def variant_configs(config: str | Path, overrides: dict[str, Any], variants: list[str]) -> list[TrainConfig]:
+    """The base config plus `--set` overrides, then each `--variant` mapping on top of it. Every
+    variant must name its own output_dir: runs of a sweep never share a folder."""
+    if not variants:
+        return [load_config(config, overrides)]
+    cfgs, seen = [], {}
+    for i, text in enumerate(variants, 1):
+        try:
+            extra = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--variant {i} ({text!r}) is not YAML: {exc}") from None
+        if not isinstance(extra, dict) or "output_dir" not in extra:
+            raise ValueError(f"--variant {i} ({text!r}) must be a mapping that sets output_dir")
+        cfg = load_config(config, {**overrides, **extra})
+        if str(cfg.output_dir) in seen:
+            raise ValueError(f"--variant {i} and --variant {seen[str(cfg.output_dir)]} share output_dir "
+                             f"{cfg.output_dir}")
+        seen[str(cfg.output_dir)] = i
+        cfgs.append(cfg)
+    return cfgs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distlab.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML file of TrainConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one field (repeatable), e.g. --set max_steps=20")
+    parser.add_argument("--variant", action="append", default=[], metavar="YAML",
+                        help="a sweep: run once per --variant (a YAML mapping applied over --config and --set, "
+                             "with its own output_dir), one after another in the same processes and process "
+                             "group, e.g. --variant '{output_dir: runs/ga4, grad_accum: 4}'. Saves one "
+                             "launch (interpreter start, imports, rendezvous) per run.")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, dict(parse_override(s) for s in args.set))
-    result = train(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"output_dir": str(result.output_dir), **result.summary}, default=str))
+    cfgs = variant_configs(args.config, dict(parse_override(s) for s in args.set), args.variant)
+    for i, cfg in enumerate(cfgs):
+        result = train(cfg, keep_group=i < len(cfgs) - 1)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({"output_dir": str(result.output_dir), **result.summary}, default=str), flush=True)
     return 0
 
 

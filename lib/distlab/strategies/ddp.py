@@ -41,8 +41,8 @@ class DistributedStrategy(Strategy):
         if not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
 
-    def teardown(self) -> None:
-        if dist.is_initialized():
+    def teardown(self, keep_group: bool = False) -> None:
+        if dist.is_initialized() and not keep_group:
             dist.destroy_process_group()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -169,10 +169,10 @@ class FSDPStrategy(DistributedStrategy):
         if cfg.measure_comm:
             self.timer = CollectiveTimer().install()
 
-    def teardown(self) -> None:
+    def teardown(self, keep_group: bool = False) -> None:
         if self.timer is not None:
             self.timer.uninstall()
-        super().teardown()
+        super().teardown(keep_group)
 
     def mixed_precision(self, choice: DeviceChoice):
         from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -35,8 +35,9 @@ class Strategy:
     def setup(self, cfg) -> None:
         """Join the process group (no-op on one device)."""
 
-    def teardown(self) -> None:
-        pass
+    def teardown(self, keep_group: bool = False) -> None:
+        """Release what setup took; `keep_group` leaves the process group up for the next run
+        of a sweep (`python -m distlab.train --variant ...`)."""
 
     @property
     def is_main(self) -> bool:

@@ -192,10 +192,10 @@ class ZeroStrategy(DistributedStrategy):
             self.timer = CollectiveTimer().install()
         init_deepspeed(self, cache)
 
-    def teardown(self) -> None:
+    def teardown(self, keep_group: bool = False) -> None:
         if self.timer is not None:
             self.timer.uninstall()
-        super().teardown()
+        super().teardown(keep_group)
 
     def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
         import deepspeed
