@@ -63,3 +63,23 @@ def test_kill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
     assert any("resumed from" in line and "step-00000004" in line for line in again.result.tail)
     assert max(losses(again.log)) == 12
     assert not (out / "checkpoints" / ".tmp-step-00000008").exists()
+
+
+def test_a_sweep_runs_each_variant_as_if_launched_alone(tmp_path):
+    """Runs of one launch share the ranks and the process group, nothing else: the same config
+    twice in a sweep gives the loss curve of a launch of its own, both times."""
+    from distlab.jobs import launch_sweep
+
+    cfg = {**COMMON, "max_steps": 3, "eval_file": None, "lora_dropout": 0.05}
+    alone = launch_training("t_alone", 2, cfg, runs_dir=tmp_path, echo=False)
+    swept = launch_sweep("t_sweep", 2, cfg, {"t_first": {}, "t_ga2": {"grad_accum": 2, "global_batch_size": None},
+                                             "t_again": {}}, runs_dir=tmp_path, echo=False)
+    assert list(swept) == ["t_first", "t_ga2", "t_again"]
+    ref = losses(alone.log)
+    assert losses(swept["t_first"].log) == ref
+    assert losses(swept["t_again"].log) == ref
+    assert read_log(swept["t_ga2"].log)[0]["tokens"] > read_log(alone.log)[0]["tokens"]  # its own config
+    assert len({job.output_dir for job in swept.values()}) == 3
+    assert all((job.output_dir / "run_metadata.json").exists() for job in swept.values())
+    script = swept["t_first"].script.read_text()
+    assert "3 runs of distlab.train" in script and script.splitlines()[-1].count("--variant") == 3

@@ -112,3 +112,20 @@ def test_bad_config_names_the_file_and_field(tmp_path):
     config.write_text("max_steps: [1\n")
     with pytest.raises(ValueError, match=r"bad.yaml:\d+: invalid YAML"):
         load_config(config)
+
+
+def test_variants_need_their_own_output_dirs(tmp_path):
+    from distlab.train import variant_configs
+
+    config = tmp_path / "c.yaml"
+    config.write_text("max_steps: 3\n")
+    cfgs = variant_configs(config, {"seq_len": 128}, [f"{{output_dir: {tmp_path}/a, max_steps: 5}}",
+                                                      f"{{output_dir: {tmp_path}/b}}"])
+    assert [(c.max_steps, c.seq_len) for c in cfgs] == [(5, 128), (3, 128)]
+    with pytest.raises(ValueError, match="must be a mapping that sets output_dir"):
+        variant_configs(config, {}, ["{max_steps: 5}"])
+    with pytest.raises(ValueError, match="--variant 2 and --variant 1 share output_dir"):
+        variant_configs(config, {}, [f"{{output_dir: {tmp_path}/a}}", f"{{output_dir: {tmp_path}/a}}"])
+    with pytest.raises(ValueError, match="is not YAML"):
+        variant_configs(config, {}, ["{output_dir: [unclosed"])
+    assert len(variant_configs(config, {}, [])) == 1

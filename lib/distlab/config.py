@@ -18,7 +18,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TrainConfig:
     # model
     model: str | None = None  # None: the offline tiny Qwen2; or an HF id / folder / random preset
-    attn_implementation: str = "sdpa"  # or "eager"
+    attn_implementation: str = "varlen"  # per-document attention for packed rows (distlab.attention); or "sdpa", "eager"
     # data
     train_file: str = str(TRAIN_FILE)
     eval_file: str | None = str(EVAL_FILE)
@@ -30,6 +30,7 @@ class TrainConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.05
+    fast_dropout: bool = True  # LoRA dropout from 16-bit coins, 4 per random draw (distlab.dropout)
     lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     # batch: global_batch_size (rows per optimizer step, all ranks together) wins over grad_accum
     micro_batch_size: int = 4

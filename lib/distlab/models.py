@@ -166,7 +166,10 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     """from_pretrained for names and folders; seeded random init for the RANDOM_PRESETS shapes."""
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
+    from .attention import resolve
+
     _quiet_hf()
+    attn_implementation = resolve(attn_implementation)
     if model in RANDOM_PRESETS:
         config = qwen2_config(load_tokenizer(None), **RANDOM_PRESETS[model])
         config._attn_implementation = attn_implementation

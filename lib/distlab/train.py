@@ -44,7 +44,12 @@ def apply_lora(model, cfg: TrainConfig):
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    if cfg.fast_dropout:
+        from .dropout import replace_lora_dropout
+
+        replace_lora_dropout(model)
+    return model
 
 
 class StepBatches:

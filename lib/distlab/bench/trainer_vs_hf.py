@@ -3,7 +3,10 @@
     python -m distlab.bench.trainer_vs_hf [--steps 40] [--rounds 2]
 
 Same model (the default tiny Qwen2 + the same LoRA), same tokenised rows with the same label
-masking, same micro-batch, steps, optimizer and schedule, one CPU thread each. Every framework
+masking, same micro-batch, steps, optimizer and schedule, one CPU thread each. The Hugging Face
+runs use the stock stack (SDPA attention with a mask, peft's nn.Dropout); distlab runs its own
+recipe, which is what is being compared: packing, per-document attention for packed rows
+(distlab.attention), the LM head only at label positions, 16-bit dropout coins (distlab.dropout). Every framework
 runs in its own process, alternating over rounds so machine noise hits all of them alike.
 Throughput is real (non-pad) tokens per second of wall-clock time between the end of the warm-up
 steps and the end of the last step: data loading, collation and logging all count.
@@ -85,9 +88,9 @@ def _hf_model(cfg):
     from ..train import apply_lora, seed_everything
 
     seed_everything(cfg.seed)
-    model = load_model(cfg.model)
+    model = load_model(cfg.model)  # stock SDPA attention
     model.config.use_cache = False
-    return apply_lora(model, cfg)
+    return apply_lora(model, cfg.replace(fast_dropout=False))  # stock peft LoRA, nn.Dropout included
 
 
 def run_hf_trainer(args) -> dict:

@@ -1,0 +1,84 @@
+"""Attention for packed rows, one document at a time ("varlen" attention).
+
+A packed row holds several conversations back to back; each must attend only to itself. The
+standard way to say so is a block-diagonal causal mask, and SDPA then computes every query
+against every key of the row (256 x 256 here) and throws most of it away. Computing each
+document's causal attention on its own slice does only the useful part: for three ~85-token
+documents in a 256-token row, a third of the work. This is what flash-attention's varlen
+kernels do on GPUs (with `cu_seqlens`); here it is a loop of SDPA calls with `is_causal=True`,
+which any device runs.
+
+    load_model(..., attn_implementation=VARLEN)   # or TrainConfig(attn_implementation="varlen")
+
+Document boundaries come from the position ids, which restart at 0 for every packed document
+(distlab.data.collate does this; so does Hugging Face's generate for left padding, where every pad
+gets its own position and the real tokens start at 0). Anything else takes the ordinary SDPA
+path with the ordinary mask: generation steps with a KV cache (query shorter than keys), calls
+without position ids. The mask is still built (it is cheap next to the attention) so that
+fallback is always exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VARLEN = "distlab_varlen"  # the name registered with transformers
+ALIASES = {"varlen": VARLEN}  # what TrainConfig.attn_implementation may say
+
+
+def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) of each run of consecutive positions: a new document starts
+    wherever a position is not the previous one plus one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    width = position_ids.shape[1]
+    spans = []
+    for row in starts.cpu().tolist():
+        cuts = [i for i, s in enumerate(row) if s] + [width]
+        spans.append(list(zip(cuts[:-1], cuts[1:])))
+    return spans
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                     is_causal=None, **kwargs):
+    """transformers attention-interface function: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or query.shape[2] != key.shape[2] or position_ids.shape[-1] != query.shape[2]:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    dropout_p = dropout if module.training else 0.0
+    spans = document_spans(position_ids.expand(query.shape[0], -1))
+    if all(len(row) == 1 for row in spans):  # one document per row: a single causal call
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=scaling, is_causal=True)
+    else:
+        rows = []
+        for b, row in enumerate(spans):
+            q, k, v = query[b:b + 1], key[b:b + 1], value[b:b + 1]
+            rows.append(torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e],
+                                                                  dropout_p=dropout_p, scale=scaling, is_causal=True)
+                                   for s, e in row], dim=2))
+        out = torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Make VARLEN a valid `attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, sdpa_mask)
+
+
+def resolve(name: str) -> str:
+    """The transformers name for a config's attn_implementation, registering ours when asked for."""
+    name = ALIASES.get(name, name)
+    if name == VARLEN:
+        register()
+    return name
