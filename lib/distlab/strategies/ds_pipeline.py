@@ -54,7 +54,7 @@ from torch import nn
 from ..data import IGNORE_INDEX
 from ..device import DeviceChoice
 from .pipeline import (PipelinedModel, PipelineStrategy, Recorder, StageModule, _ActivationMeter, _decoder_parts,
-                       clock_offset, drop_other_stages, is_tied, split_layers, stack_microbatches)
+                       clock_offset, drop_other_stages, is_tied, stack_microbatches)
 from .single import cosine_with_warmup
 
 
@@ -231,8 +231,7 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
         import deepspeed
 
         causal = model.causal_lm
-        ranges = split_layers(causal.config.num_hidden_layers, self.num_stages, cfg.stage_layers)
-        mine = ranges[self.stage_index]
+        ranges, mine = self.stage_split(causal, cfg)
         first, last = self.is_first, self.is_last
         train_tied = is_tied(causal) and not cfg.lora
         specs = layer_specs(causal, train_tied)

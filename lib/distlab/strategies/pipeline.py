@@ -464,11 +464,15 @@ class PipelineStrategy(DistributedStrategy):
         """Sum over data-parallel replicas: there is one (the stages share the data)."""
         return tensor
 
+    def stage_split(self, causal, cfg) -> tuple[list[range], range]:
+        """Every stage's decoder layers, and this stage's."""
+        ranges = split_layers(causal.config.num_hidden_layers, self.num_stages, cfg.stage_layers)
+        return ranges, ranges[self.stage_index]
+
     # --- model
     def prepare(self, model, choice: DeviceChoice, cfg):
         causal = model.causal_lm
-        ranges = split_layers(causal.config.num_hidden_layers, self.num_stages, cfg.stage_layers)
-        mine = ranges[self.stage_index]
+        ranges, mine = self.stage_split(causal, cfg)
         first, last = self.is_first, self.is_last
         tied = is_tied(causal)
         stage = StageModule(causal, mine, first, last)
