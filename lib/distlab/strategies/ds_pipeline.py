@@ -47,7 +47,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -345,21 +344,7 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
 
     def _clip(self, max_grad_norm: float) -> float:
         """Global-norm clipping over all stages (the tied weight counted once), as PipelineStrategy."""
-        params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        sq = torch.zeros(1, dtype=torch.float64, device=self.choice.device)
-        for p in params:
-            if p.grad is None or (self.is_last and p is self.tied_param):
-                continue
-            sq += torch.linalg.vector_norm(p.grad.detach()).double() ** 2
-        dist.all_reduce(sq)
-        norm = float(sq.sqrt())
-        if max_grad_norm and max_grad_norm > 0:
-            coef = max_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        return norm
+        return self.clip_across_stages([p for p in self.engine.module.parameters() if p.requires_grad], max_grad_norm)
 
     # --- one step
     def forward_backward(self, model, micro_batches, choice: DeviceChoice, global_label_tokens: int) -> float:

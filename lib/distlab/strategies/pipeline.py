@@ -547,10 +547,9 @@ class PipelineStrategy(DistributedStrategy):
         dist.broadcast(local, src=self.num_stages - 1)
         return float(local)
 
-    def step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
-        params = [p for p in self.stage_module.parameters() if p.requires_grad]
-        if self.tie_group is not None and self.tied_param is not None and self.tied_param.grad is not None:
-            dist.all_reduce(self.tied_param.grad, group=self.tie_group)
+    def clip_across_stages(self, params: list[torch.Tensor], max_grad_norm: float) -> float:
+        """Clip by the global gradient norm of the whole model, each stage holding some of the
+        parameters: squared norms summed over the stages. Returns the norm before clipping."""
         # the tied weight's (already summed) gradient is counted once, on the first stage
         counted = [p for p in params if p.grad is not None and not (self.is_last and p is self.tied_param)]
         sq = torch.zeros(1, dtype=torch.float64, device=self.choice.device)
@@ -564,6 +563,13 @@ class PipelineStrategy(DistributedStrategy):
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(coef)
+        return norm
+
+    def step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
+        params = [p for p in self.stage_module.parameters() if p.requires_grad]
+        if self.tie_group is not None and self.tied_param is not None and self.tied_param.grad is not None:
+            dist.all_reduce(self.tied_param.grad, group=self.tie_group)
+        norm = self.clip_across_stages(params, max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
