@@ -58,13 +58,11 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
     common = {**overrides, "progress": False} if variants else {**overrides, "output_dir": str(output_dir), "progress": False}
     for key, value in common.items():
         args += ["--set", f"{key}={_yaml_value(value)}"]
-    runs = [dict(overrides)]
     for run_name, extra in (variants or {}).items():
         args += ["--variant", _yaml_value({**extra, "output_dir": str(Path(runs_dir) / run_name)})]
-        runs.append({**overrides, **extra})
+    runs = [{**overrides, **extra} for extra in variants.values()] if variants else [dict(overrides)]
     # Pipeline strategies: the launcher checks the stage count (default: one stage per rank).
-    stage_counts = {(r.get("pipeline_stages") or world_size) for r in runs[1 if variants else 0:]
-                    if r.get("strategy") in PIPELINE_STRATEGIES}
+    stage_counts = {(r.get("pipeline_stages") or world_size) for r in runs if r.get("strategy") in PIPELINE_STRATEGIES}
     if len(stage_counts) > 1:
         raise ValueError(f"{name}: the runs of one launch must use one pipeline stage count, got {sorted(stage_counts)}")
     what = f"{len(variants)} runs of distlab.train" if variants else "distlab.train"
