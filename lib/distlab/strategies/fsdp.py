@@ -149,14 +149,42 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class FSDPStrategy(DistributedStrategy):
+class CollectiveTimedStrategy(DistributedStrategy):
+    """A multi-rank strategy whose collectives CollectiveTimer times when `measure_comm` is on
+    (FSDP2 and ZeRO); the loop's own bookkeeping all-reduces are left out of the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timer: CollectiveTimer | None = None
+
+    def start_timer(self, cfg) -> None:
+        if cfg.measure_comm:
+            self.timer = CollectiveTimer().install()
+
+    def teardown(self, keep_group: bool = False) -> None:
+        if self.timer is not None:
+            self.timer.uninstall()
+            self.timer = None
+        super().teardown(keep_group)
+
+    def comm_stats(self) -> dict[str, float]:
+        if self.timer is None:
+            return {}
+        seconds, nbytes = self.timer.take()
+        return {"comm_time_s": seconds, "comm_bytes": nbytes}
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.timer.paused() if self.timer is not None else contextlib.nullcontext():
+            return super().all_reduce_sum(tensor)
+
+
+class FSDPStrategy(CollectiveTimedStrategy):
     name = "fsdp"
 
     def __init__(self) -> None:
         super().__init__()
         self.cfg = None
         self.mesh = None
-        self.timer: CollectiveTimer | None = None
         self.measured_state = None  # memory.MemoryBreakdown of the last step, with cfg.measure_state
 
     def setup(self, cfg) -> None:
@@ -166,13 +194,7 @@ class FSDPStrategy(DistributedStrategy):
         self.cfg = cfg
         device_type = "cuda" if self.backend == "nccl" else "cpu"
         self.mesh = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
-        if cfg.measure_comm:
-            self.timer = CollectiveTimer().install()
-
-    def teardown(self, keep_group: bool = False) -> None:
-        if self.timer is not None:
-            self.timer.uninstall()
-        super().teardown(keep_group)
+        self.start_timer(cfg)
 
     def mixed_precision(self, choice: DeviceChoice):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -220,16 +242,6 @@ class FSDPStrategy(DistributedStrategy):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
-
-    def comm_stats(self) -> dict[str, float]:
-        if self.timer is None:
-            return {}
-        seconds, nbytes = self.timer.take()
-        return {"comm_time_s": seconds, "comm_bytes": nbytes}
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        with self.timer.paused() if self.timer is not None else contextlib.nullcontext():
-            return super().all_reduce_sum(tensor)
 
     # --- saving
     def _state_options(self, **kw):

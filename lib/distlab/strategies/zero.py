@@ -45,8 +45,7 @@ import torch
 
 from ..data import model_inputs
 from ..device import DeviceChoice, autocast
-from .ddp import DistributedStrategy
-from .fsdp import CollectiveTimer, evaluate_in_lockstep, save_consolidated
+from .fsdp import CollectiveTimedStrategy, evaluate_in_lockstep, save_consolidated
 from .single import cosine_with_warmup
 
 SHM_OP = "deepspeed_shm_comm"
@@ -171,7 +170,7 @@ def deepspeed_config(cfg, data_parallel_size: int, stage: int, *, bf16: bool = F
 
 # ----------------------------------------------------------------------------- the strategy
 
-class ZeroStrategy(DistributedStrategy):
+class ZeroStrategy(CollectiveTimedStrategy):
     name = "zero"
     stage = 2
 
@@ -179,7 +178,6 @@ class ZeroStrategy(DistributedStrategy):
         super().__init__()
         self.cfg = None
         self.engine = None
-        self.timer: CollectiveTimer | None = None
         self.ds_config: dict[str, Any] | None = None
         self.measured_state = None
 
@@ -187,15 +185,8 @@ class ZeroStrategy(DistributedStrategy):
         cache = use_extensions_cache()
         super().setup(cfg)  # torch's process group first (gloo on CPU, nccl on GPUs); DeepSpeed adopts it
         self.cfg = cfg
-        if cfg.measure_comm:
-            # before DeepSpeed's comm backend starts: it keeps references to the collectives it uses
-            self.timer = CollectiveTimer().install()
+        self.start_timer(cfg)  # before DeepSpeed's comm backend starts: it keeps references to the collectives
         init_deepspeed(self, cache)
-
-    def teardown(self, keep_group: bool = False) -> None:
-        if self.timer is not None:
-            self.timer.uninstall()
-        super().teardown(keep_group)
 
     def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
         import deepspeed
@@ -253,18 +244,6 @@ class ZeroStrategy(DistributedStrategy):
         scheduler.step()
         norm = model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
-
-    def comm_stats(self) -> dict[str, float]:
-        if self.timer is None:
-            return {}
-        seconds, nbytes = self.timer.take()
-        return {"comm_time_s": seconds, "comm_bytes": nbytes}
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.timer is None:
-            return super().all_reduce_sum(tensor)
-        with self.timer.paused():
-            return super().all_reduce_sum(tensor)
 
     # --- saving
     def save_training_state(self, model, optimizer, path: Path) -> None:
