@@ -8,11 +8,11 @@ STAMP := $(VENV)/.distlab-installed
 PROFILE ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: all env test book notebooks site lock clean help deepspeed-op
+.PHONY: all env test lint book notebooks site lock clean help deepspeed-op
 
 help:
 	@echo "make book   - set up, run every notebook (papermill), build the Jupyter Book site"
-	@echo "make test   - set up, run the test suite"
+	@echo "make test   - set up, lint (ruff), run the test suite"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
 
 env: $(STAMP)
@@ -29,29 +29,33 @@ $(STAMP): requirements.lock pyproject.toml
 	@touch $@
 
 # DeepSpeed JIT-compiles a C++ communication op on first use (about a minute on 2 cores). Build it once per
-# machine into the persistent cache (distlab.strategies.zero.extensions_dir) before tests and notebooks need it.
+# machine into the persistent cache (distlab.strategies.deepspeed_runtime.extensions_dir) before tests and notebooks need it.
 deepspeed-op: $(STAMP)
-	$(PY) -c 'from distlab.strategies.zero import prebuild_comm_op; prebuild_comm_op()'
+	$(PY) -c 'from distlab.strategies.deepspeed_runtime import prebuild_comm_op; prebuild_comm_op()'
 
-test: $(STAMP) deepspeed-op
+test: $(STAMP) deepspeed-op lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# ruff, configured in pyproject.toml: line length, import order, unused names, over lib, tests and notebooks.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
 notebooks: $(STAMP) deepspeed-op
-	$(PY) -m distlab.regenerate --profile $(PROFILE)
+	$(PY) -m distlab.publish.regenerate --profile $(PROFILE)
 
 site: $(STAMP)
-	$(PY) -m distlab.book --check --fetch-mathjax
+	$(PY) -m distlab.publish.book --check --fetch-mathjax
 
 # The site is built (and checked in a headless browser) even when a notebook fails, so the
 # failure can be inspected; the target still fails.
 book: $(STAMP) deepspeed-op
-	@rc=0; $(PY) -m distlab.regenerate --profile $(PROFILE) || rc=$$?; \
-	$(PY) -m distlab.book --check --fetch-mathjax || rc=$$?; exit $$rc
+	@rc=0; $(PY) -m distlab.publish.regenerate --profile $(PROFILE) || rc=$$?; \
+	$(PY) -m distlab.publish.book --check --fetch-mathjax || rc=$$?; exit $$rc
 
 lock:
 	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
 	build/lockenv/bin/pip install -q "torch==2.13.0"
-	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest trl playwright nbformat nbclient
+	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest ruff trl playwright nbformat nbclient
 	build/lockenv/bin/python tools/write_lock.py build/lockenv
 
 clean:

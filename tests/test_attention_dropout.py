@@ -11,7 +11,7 @@ from distlab.config import TrainConfig
 from distlab.data import build_sft_data, model_inputs
 from distlab.dropout import Dropout16, replace_lora_dropout
 from distlab.models import CausalLMWithLoss, load_model
-from distlab.train import apply_lora
+from distlab.prepare import apply_lora
 
 
 def test_document_spans_follow_restarting_positions():

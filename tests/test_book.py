@@ -1,9 +1,9 @@
-"""python -m distlab.book: the Jupyter Book builds offline and every page of the site renders.
+"""python -m distlab.publish.book: the Jupyter Book builds offline and every page of the site renders.
 
 A small book input is prepared in a temporary folder (the repo's _config.yml and intro.md, one
 fixture notebook executed by regenerate that draws a matplotlib figure and saves a figure and a table
 with provenance sidecars into a temporary figures folder), built, served on 127.0.0.1 and visited
-page by page in Debian's chromium through Playwright (distlab.book.check_site).
+page by page in Debian's chromium through Playwright (distlab.publish.book.check_site).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab import book, regenerate
+from distlab.publish import book, regenerate
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "notebooks"
@@ -116,7 +116,7 @@ def test_check_site_reports_broken_images_and_links(built, chromium, tmp_path):
 def test_empty_book_builds_and_says_so(tmp_path):
     src = _book_source(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "distlab.book", "--source", str(src), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "distlab.publish.book", "--source", str(src), "--out", str(tmp_path / "out"),
          "--figures-dir", str(tmp_path / "no_figures"), "--summary", str(tmp_path / "none.json")],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ),
     )

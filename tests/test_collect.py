@@ -6,18 +6,29 @@ from __future__ import annotations
 
 import io
 import json
+import math
+from types import SimpleNamespace
 
 import pytest
-from distlab import collect
-from distlab.collect import ResultLogError, emit_result, extract_results
+
+from distlab.measure.state import MemoryBreakdown
+from distlab.metrics import StepLog
+from distlab.results import collect, schema
+from distlab.results.collect import ResultLogError, emit_result, extract_results
+
+W = schema.WARMUP_STEPS
+STEPS = list(range(1, W + 2))  # the warm-up steps, then one steady step
 
 
 def record(rank: int, world: int = 2, strategy: str = "fsdp", mode: str = "lora", run: str = "r", tps: float = 100.0,
            step_time: float = 0.5, comm: float | None = 0.1) -> dict:
+    """A rank's result record; its warm-up steps take twice as long (they must not count)."""
+    n = len(STEPS)
     return {"schema": collect.SCHEMA, "run": run, "strategy": strategy, "mode": mode, "rank": rank, "world_size": world,
-            "global_batch_size": 8, "steps": [1, 2, 3], "loss": [3.0, 2.5, 2.0], "tokens": [tps * step_time] * 3,
-            "step_time_s": [step_time * 2, step_time, step_time], "comm_time_s": [comm] * 3,
-            "peak_mem_bytes": (500 + rank) * 2**20, "final_loss": 2.0, "skip_steps": 1}
+            "global_batch_size": 8, "steps": STEPS, "loss": [3.0 - 0.5 * i for i in range(n)],
+            "tokens": [tps * step_time] * n, "step_time_s": [step_time * 2] * W + [step_time],
+            "comm_time_s": [comm] * n, "comm_bytes": [1000] * n, "peak_mem_bytes": (500 + rank) * 2**20,
+            "final_loss": 3.0 - 0.5 * (n - 1), "warmup_steps": W}
 
 
 def block(rank: int, rec: dict | None = None, prefix: str = "") -> list[str]:
@@ -132,26 +143,85 @@ def test_aggregate_plots_and_report(tmp_path):
     df = collect.aggregate(runs)
     assert list(df.columns) == collect.METRICS
     row = df.set_index("run").loc["ddp"]
-    assert row["scaling_efficiency_pct"] == pytest.approx(90.0)
-    assert row["tokens_per_sec"] == pytest.approx(180.0)  # steady state: the slow first step is skipped
-    assert row["peak_mem_mib_per_rank"] == "500;501" and row["comm_time_share_pct"] == pytest.approx(20.0)
-    assert df.set_index("run").loc["fsdp", "comm_time_share_pct"] != df.set_index("run").loc["fsdp", "comm_time_share_pct"]  # NaN
+    assert row["scaling_efficiency"] == pytest.approx(0.9) and row["speedup"] == pytest.approx(1.8)
+    assert row["tokens_per_s"] == pytest.approx(180.0)  # steady state: the slow warm-up steps are left out
+    assert row["steps_averaged"] == 1 and row["step_time_s"] == pytest.approx(0.5)
+    assert row["peak_mem_bytes"] == 501 * 2**20
+    assert row["peak_mem_bytes_per_rank"] == f"{500 * 2**20};{501 * 2**20}" and row["comm_share"] == pytest.approx(0.2)
+    assert math.isnan(df.set_index("run").loc["fsdp", "comm_share"])
     stamp = {"device": "test", "model": "tiny", "world_size": "1/2", "commit": "x", "date": "today"}
     csv = collect.save_metrics(df, tmp_path, stamp)
     plots = collect.save_plots(df, tmp_path, stamp)
     report = collect.write_report(df, tmp_path, stamp, sections={"Extra": df[["run", "mean_loss"]]})
     assert csv.name == "strategy_metrics.csv" and len(plots) == 4
+    assert csv.read_text().splitlines()[0].split(",") == collect.METRICS
     assert all(p.exists() and p.with_name(p.name + ".provenance.json").exists() for p in plots + [csv, report])
     text = report.read_text()
     assert "#### LoRA: metrics" in text and "#### Extra" in text and "_Provenance: test |" in text
+    assert f"- comm_share: {schema.COLUMNS['comm_share']}" in text  # definitions come from the schema
     assert not any(line.startswith(("# ", "## ", "### ")) for line in text.splitlines())  # nests in the book
-    resumed = {0: record(0), 1: {**record(1), "steps": [2, 3], "loss": [2.5, 2.0], "tokens": [50.0] * 2,
-                                 "step_time_s": [0.6, 0.6], "comm_time_s": [0.1] * 2}}
-    row = collect.run_metrics(resumed, skip_steps=0)  # after a resume rank 1 logs only the new steps
-    assert row["steps"] == 2 and row["mean_step_time_sec"] == pytest.approx(0.6)
+    later = STEPS[1:]  # after a resume rank 1 logs only the new steps
+    resumed = {0: record(0), 1: {**record(1), "steps": later, "loss": record(1)["loss"][1:],
+                                 "tokens": [50.0] * len(later), "step_time_s": [0.6] * len(later),
+                                 "comm_time_s": [0.1] * len(later), "comm_bytes": [1000] * len(later)}}
+    row = collect.run_metrics(resumed)
+    assert row["steps_averaged"] == 1 and row["step_time_s"] == pytest.approx(0.6)  # the slower rank 1
     with pytest.raises(FileNotFoundError, match="no such log file"):
         extract_results(tmp_path / "missing.log")
     with pytest.raises(ValueError, match="another run"):
         collect.run_metrics({0: record(0), 1: record(1, strategy="ddp")})
     with pytest.raises(ValueError, match="expected 0..1"):
         collect.run_metrics({0: record(0)})
+    with pytest.raises(ValueError, match=f"run r: no step after the {W} warm-up steps"):
+        short = {r: {**record(r), "steps": STEPS[:W], "loss": [2.0] * W, "tokens": [1.0] * W,
+                     "step_time_s": [1.0] * W, "comm_time_s": [0.1] * W, "comm_bytes": [1] * W} for r in range(2)}
+        collect.run_metrics(short)
+
+
+def fake_run(tmp_path, world: int = 2, steps: int = W + 2):
+    """What the training loop leaves behind: every rank's step log, and cfg/strategy as rank_result reads them."""
+    out = tmp_path / "03_ddp_lora_ws2"
+    for rank in range(world):
+        log = StepLog(out, rank, all_ranks=True)
+        for n in range(1, steps + 1):
+            seconds = (2.0 if n <= W else 1.0) + 0.5 * rank  # rank 1 is the slower one
+            log.write("step", step=n, world_size=world, loss=3.0 - 0.1 * n, step_time_s=seconds, tokens=800,
+                      tokens_per_s=800 / seconds, peak_mem_bytes=(100 + rank) * 2**20, comm_time_s=0.1 * (rank + 1),
+                      comm_bytes=4096)
+    cfg = SimpleNamespace(output_dir=str(out), lora=True, lora_r=16, model=None, device="cpu", dtype="fp32",
+                          micro_batch_size=2, seq_len=256, seed=0, micro_steps=lambda dp: 8 // (2 * dp))
+    strategies = [SimpleNamespace(name="ddp", rank=r, world_size=world, data_parallel_size=world) for r in range(world)]
+    return out, cfg, strategies
+
+
+def test_rank_results_summarise_like_the_step_logs(tmp_path):
+    """The collector's row and chapter 02's summary of the same run's step logs are the same numbers."""
+    out, cfg, strategies = fake_run(tmp_path)
+    logs = [out / "train_log.jsonl", out / "train_log.rank1.jsonl"]
+    state = MemoryBreakdown(weights=10, adapter_weights=2, gradients=3, optimizer_state=4, activations=99, buffers=5)
+    results = {s.rank: collect.rank_result(cfg, s, logs[s.rank], {"final_loss": 2.6, "peak_mem_bytes": 0},
+                                           measured_state=state if s.rank == 0 else None) for s in strategies}
+    assert results[0]["state_bytes"] == {"weights": 10, "adapter_weights": 2, "gradients": 3, "optimizer_state": 4,
+                                         "buffers": 5}  # activations are not state a rank owns
+    assert "state_bytes" not in results[1]
+    assert results[1]["rank_summary"]["step_time_s"] == pytest.approx(1.5)
+    assert results[0]["rank_summary"]["comm_share"] == pytest.approx(0.1)
+    row = collect.run_metrics(results)
+    from_logs = schema.summarise_logs(logs[0])
+    for key in schema.SUMMARY:
+        assert row[key] == pytest.approx(from_logs[key]) if isinstance(row[key], float) else row[key] == from_logs[key]
+    assert row["step_time_s"] == pytest.approx(1.5) and row["comm_share"] == pytest.approx(0.15 / 1.5)
+
+
+def test_emit_rank_result_prints_only_for_launched_ranks(tmp_path, monkeypatch):
+    out, cfg, strategies = fake_run(tmp_path, world=1, steps=W)  # no steady step: the rank's own numbers are NaN
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("DISTLAB_EMIT_RESULT", raising=False)
+    buf = io.StringIO()
+    assert collect.emit_rank_result(cfg, strategies[0], out / "train_log.jsonl", {}, stream=buf) is None
+    assert buf.getvalue() == ""
+    monkeypatch.setenv("RANK", "0")
+    rec = collect.emit_rank_result(cfg, strategies[0], out / "train_log.jsonl", {}, stream=buf)
+    assert math.isnan(rec["rank_summary"]["tokens_per_s"]) and rec["warmup_steps"] == W
+    back = extract_results(buf.getvalue(), expected_ranks=1)[0]
+    assert back["steps"] == list(range(1, W + 1)) and math.isnan(back["rank_summary"]["step_time_s"])

@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from distlab.data import (IGNORE_INDEX, DataError, build_sft_data, collate, load_jsonl, load_prompts,
-                          pack_examples, tokenize_conversations)
+from distlab.data import (
+    IGNORE_INDEX,
+    DataError,
+    build_sft_data,
+    collate,
+    load_jsonl,
+    load_prompts,
+    pack_examples,
+    tokenize_conversations,
+)
 
 
 def write_rows(path, rows):
@@ -91,7 +99,8 @@ def test_empty_file_and_blank_only_file(tmp_path):
 
 def test_non_utf8_bytes_name_the_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + '{"prompt": "caf\xe9", "response": "x"}'.encode("latin-1") + b"\n")
+    latin1_row = '{"prompt": "caf\xe9", "response": "x"}'.encode("latin-1")
+    path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + latin1_row + b"\n")
     with pytest.raises(DataError, match="not valid UTF-8") as info:
         load_jsonl(path)
     assert info.value.line == 2
@@ -180,8 +189,10 @@ def test_packed_attention_does_not_leak_between_samples(tmp_path, tokenizer, tin
     assert len(both) == 1
     packed = collate(both, tokenizer.pad_token_id, packed=True)
     with torch.no_grad():
-        out_alone = tiny_model(input_ids=alone["input_ids"], position_ids=alone["position_ids"], use_cache=False).logits[0]
-        out_packed = tiny_model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
+        out_alone = tiny_model(input_ids=alone["input_ids"], position_ids=alone["position_ids"],
+                               use_cache=False).logits[0]
+        out_packed = tiny_model(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                                use_cache=False).logits[0]
     start = both[0].position_ids.index(0, 1)  # members keep their file order: a first, then b
     n = len(b.input_ids)
     assert torch.allclose(out_packed[start:start + n], out_alone[:n], atol=1e-4)
@@ -227,7 +238,9 @@ def test_repo_dataset_is_valid_and_large_enough():
     train, held_out = load_jsonl(TRAIN_FILE), load_jsonl(EVAL_FILE)
     assert len(train) >= 600 and len(held_out) >= 50
     assert len(train.summaries[0].by_format) == 3
-    first_question = lambda c: next(m["content"] for m in c.messages if m["role"] == "user")
+    def first_question(c):
+        return next(m["content"] for m in c.messages if m["role"] == "user")
+
     train_prompts = {first_question(c) for c in train}
     assert not any(first_question(c) in train_prompts for c in held_out)
     assert len(load_prompts(DEMO_PROMPTS)) >= 5

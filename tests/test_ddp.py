@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from distlab import checkpoint
-from distlab.jobs import launch_training
+from distlab.launch.jobs import launch_training
+from distlab.launch.runner import RunFailed
 from distlab.metrics import read_log
-from distlab.runner import RunFailed
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,9 @@ def test_sigkilled_rank_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert any("SIGKILL after step 7" in line for line in console)
     assert any("resumed from" in line and "step-00000004" in line for line in console)
     assert losses(killed.log) == losses(clean.log)  # bitwise: same floats, every step once
-    evals = lambda log: [r["eval_loss"] for r in read_log(log, event="eval")]
+    def evals(log):
+        return [r["eval_loss"] for r in read_log(log, event="eval")]
+
     assert evals(killed.log) == evals(clean.log)
     a = (clean.output_dir / "model" / "adapter_model.safetensors").read_bytes()
     b = (killed.output_dir / "model" / "adapter_model.safetensors").read_bytes()
@@ -68,7 +69,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
 def test_a_sweep_runs_each_variant_as_if_launched_alone(tmp_path):
     """Runs of one launch share the ranks and the process group, nothing else: the same config
     twice in a sweep gives the loss curve of a launch of its own, both times."""
-    from distlab.jobs import launch_sweep
+    from distlab.launch.jobs import launch_sweep
 
     cfg = {**COMMON, "max_steps": 3, "eval_file": None, "lora_dropout": 0.05}
     alone = launch_training("t_alone", 2, cfg, runs_dir=tmp_path, echo=False)

@@ -10,7 +10,8 @@ import time
 import psutil
 import pytest
 
-from distlab import envcheck, limits, monitor, runner
+from distlab.launch import runner
+from distlab.measure import envcheck, limits, monitor
 
 TINY_SIZES_KIB = [4, 64]
 
@@ -42,7 +43,7 @@ def test_environment_report_fields():
 
 def test_report_does_not_import_deepspeed():
     # In a fresh interpreter: another test may have imported it into this one.
-    code = ("import sys; from distlab import envcheck; envcheck.environment_report(); "
+    code = ("import sys; from distlab.measure import envcheck; envcheck.environment_report(); "
             "envcheck.fingerprint(); assert 'deepspeed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

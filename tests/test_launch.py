@@ -1,6 +1,6 @@
 """distlab.launch: the spec's validation, the exact scripts it writes (golden files), their
 quoting, that bash and shellcheck accept them, that launch/ is what the generator writes, and real
-runs of generated scripts through distlab.runner (torchrun on CPU, gloo).
+runs of generated scripts through distlab.launch.runner (torchrun on CPU, gloo).
 
 Rewrite the golden files after an intended change with
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab import launch, runner
+from distlab import launch
 from distlab.config import load_config
-from distlab.launch import LaunchSpec, LaunchSpecError
+from distlab.launch import LaunchSpec, LaunchSpecError, runner, seeds
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -372,6 +372,9 @@ def test_seed_matrix_follows_the_enterprise_and_lan_seeds():
                                  "--set", f"max_steps={row.max_steps}"]
         assert spec.log_dir.startswith("logs/")
         assert f"[`{name}" in files["README.md"]
+    # The README names the file that holds SEED_MATRIX: it must be that file.
+    assert "SEED_MATRIX" in (REPO_ROOT / seeds.GENERATOR_FILE).read_text()
+    assert f"`{seeds.GENERATOR_FILE}`" in files["README.md"]
     two = launch.seed_spec(rows["run_2node_8gpu"])
     assert (two.rendezvous, two.master_addr, two.master_port) == ("static", "192.168.1.100", 29500)
     assert two.env["NCCL_SOCKET_IFNAME"] == "eth0" and two.env["NCCL_IB_DISABLE"] == "1"
@@ -381,7 +384,8 @@ def test_seed_matrix_follows_the_enterprise_and_lan_seeds():
 
 def test_enterprise_config_loads_with_the_seed_defaults():
     cfg = load_config(REPO_ROOT / "lib" / "distlab" / "configs" / "enterprise_7b_lora.yaml")
-    assert (cfg.model, cfg.dtype, cfg.device, cfg.seq_len) == ("Qwen/Qwen2.5-7B-Instruct", "bf16-autocast", "cuda", 1024)
+    assert (cfg.model, cfg.dtype, cfg.device, cfg.seq_len) == ("Qwen/Qwen2.5-7B-Instruct", "bf16-autocast", "cuda",
+                                                               1024)
     assert (cfg.lora, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout) == (True, 16, 32, 0.05)
     assert cfg.lora_targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert (cfg.global_batch_size, cfg.micro_batch_size, cfg.lr, cfg.weight_decay) == (64, 2, 2e-4, 0.01)

@@ -1,14 +1,20 @@
 """The memory planner from configs alone: the parameter layout it assumes is the real one (checked
-against models built on the meta device, so 7B shapes cost nothing), the strategy rules hold, and
-the recommender walks the LAN-cluster guide's decision tree with numbers. The planner against
-measured per-rank bytes of real 2-rank runs is in test_fsdp_zero.py."""
+against models built on the meta device, so 7B shapes cost nothing), the strategy rules hold, the
+state measurer counts what a model holds, and the recommender walks the LAN-cluster guide's decision
+tree with numbers. The planner against measured per-rank bytes of real 2-rank runs is in test_fsdp_zero.py."""
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+
 import pytest
 import torch
-from distlab import memory
+
+from distlab import compat, strategies
 from distlab.config import LORA_TARGETS
+from distlab.measure import state
+from distlab.planning import advice, memory, plan
 
 GIB = 2**30
 
@@ -29,14 +35,13 @@ def test_layout_is_the_real_models_parameters(name):
     real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied head appears once
     planned = [(p.name, p.shape) for p in memory.parameter_layout(shape)]
     assert planned == real
-    published = {"Llama-2-7B": 6.74e9, "Qwen2.5-7B-Instruct": 7.62e9, "Qwen2.5-3B-Instruct": 3.09e9, "Qwen3-0.6B": 0.596e9}
+    published = {"Llama-2-7B": 6.74e9, "Qwen2.5-7B-Instruct": 7.62e9, "Qwen2.5-3B-Instruct": 3.09e9,
+                 "Qwen3-0.6B": 0.596e9}
     assert memory.parameter_count(shape) == pytest.approx(published[name], rel=0.005)
 
 
 def test_lora_layout_follows_peft(tiny_model):
     """PEFT's trainable adapters, in the order ZeRO-2 flattens them, for the tiny model (a real config object)."""
-    import copy
-
     from peft import LoraConfig, get_peft_model
 
     peft = get_peft_model(copy.deepcopy(tiny_model), LoraConfig(r=8, target_modules=["q_proj", "down_proj"]))
@@ -102,26 +107,92 @@ def test_dtypes_and_guards():
     assert z3.optimizer_state == pytest.approx(12 * n / 8, rel=0.01)
 
 
-def test_estimate_and_planner_agree_on_one_device(tiny_model):
-    est = memory.estimate_training_memory(tiny_model.config, lora_r=16, micro_batch=2, seq_len=256, lora_dropout=0.0)
-    plan = memory.plan_memory(tiny_model.config, strategy="single", lora_r=16, lora_targets=LORA_TARGETS,
-                              micro_batch=2, seq_len=256)
-    assert est.as_dict() == plan.as_dict()
+def test_every_strategy_has_a_planner_and_ds_pipeline_plans_like_pipeline():
+    assert memory.STRATEGY_NAMES is strategies.STRATEGY_NAMES  # notebook 03 reads the planner's name
+    assert set(plan.PLANNERS) == set(strategies.STRATEGY_NAMES)
+    cfg = memory.QWEN3_06B
+    for rank in range(4):
+        kw = dict(world_size=4, pipeline_stages=2, rank=rank, lora_r=16, grad_accum=4)
+        torch_pp = memory.plan_memory(cfg, strategy="pipeline", **kw)
+        assert memory.plan_memory(cfg, strategy="ds_pipeline", **kw).as_dict() == torch_pp.as_dict()
 
 
-def test_measure_owned_state_counts_storages_once(tiny_model):
-    import copy
+def test_pipeline_planner_follows_stage_layers():
+    cfg = memory.LLAMA2_7B  # 32 layers, untied
+    kw = dict(strategy="pipeline", world_size=2, lora_r=None, weight_bytes=2)
+    balanced = [memory.plan_memory(cfg, rank=r, **kw) for r in (0, 1)]
+    uneven = [memory.plan_memory(cfg, rank=r, stage_layers=[8, 24], **kw) for r in (0, 1)]
+    layer = sum(p.numel for p in memory.parameter_layout(cfg) if p.name.startswith("model.layers.0.")) * 2
+    assert uneven[0].weights == balanced[0].weights - 8 * layer and uneven[1].weights == balanced[1].weights + 8 * layer
+    assert "layers 0-7" in uneven[0].notes[0] and "layers 8-31" in uneven[1].notes[0]
+    with pytest.raises(ValueError, match="stage_layers"):
+        memory.plan_memory(cfg, rank=0, stage_layers=[8, 8], **kw)
 
+
+def test_estimate_is_the_single_device_plan(tiny_model):
+    kw = dict(lora_r=16, micro_batch=2, seq_len=256)
+    est = memory.estimate_training_memory(tiny_model.config, lora_dropout=0.0, **kw)
+    single = memory.plan_memory(tiny_model.config, strategy="single", lora_targets=LORA_TARGETS, **kw)
+    assert est.as_dict() == single.as_dict()
+    # chapter 01's defaults: fp32 weights and adapters, LoRA dropout on (its input and mask are kept)
+    n = memory.parameter_count(tiny_model.config)
+    n_lora = memory.lora_parameter_count(tiny_model.config, 16, LORA_TARGETS)
+    est = memory.estimate_training_memory(tiny_model.config, **kw)
+    assert (est.weights, est.adapter_weights, est.gradients, est.optimizer_state) == \
+        (4 * n, 4 * n_lora, 4 * n_lora, 8 * n_lora)
+    assert est.activations > single.activations
+    with pytest.raises(ValueError, match="optimizer 'lion'"):
+        memory.estimate_training_memory(tiny_model.config, optimizer="lion")
+
+
+def test_measure_state_matches_the_single_device_plan(tiny_model):
     model = copy.deepcopy(tiny_model)
     opt = torch.optim.AdamW(model.parameters())
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     opt.step()
-    got = memory.measure_owned_state(model, opt)
-    plan = memory.plan_memory(tiny_model.config, strategy="single", lora_r=None)
+    got = state.measure_state(model, opt)
+    planned = memory.plan_memory(tiny_model.config, strategy="single", lora_r=None)
     for part in ("weights", "adapter_weights", "gradients", "optimizer_state"):
-        assert getattr(got, part) == getattr(plan, part), part
+        assert getattr(got, part) == getattr(planned, part), part
     flat = torch.zeros(10)
-    assert memory.owned_bytes([flat[:3], flat[3:], flat]) == 40  # views of one buffer: the buffer, once
+    assert state.owned_bytes([flat[:3], flat[3:], flat]) == 40  # views of one buffer: the buffer, once
+
+
+def test_measure_state_counts_a_plain_model_after_one_step(tiny_model):
+    x = dict(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]]))
+    model = copy.deepcopy(tiny_model)
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters())
+    model(**x).loss.backward()
+    opt.step()
+    got = state.measure_state(model, opt)
+    assert (got.weights, got.adapter_weights, got.gradients, got.optimizer_state) == (4 * n, 0, 4 * n, 8 * n)
+    assert (got.activations, got.buffers) == (0, 0)
+    assert state.measure_state(model).optimizer_state == 0
+
+    # frozen base, trained "adapters" (here the MLPs): reported apart, gradients and moments for them only
+    model = copy.deepcopy(tiny_model)
+    for name, p in model.named_parameters():
+        p.requires_grad = ".mlp." in name
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    model(**x).loss.backward()
+    opt.step()
+    got = state.measure_state(model, opt)
+    assert (got.weights, got.adapter_weights, got.gradients, got.optimizer_state) == \
+        (4 * (n - trained), 4 * trained, 4 * trained, 8 * trained)
+
+
+def test_zero_internals_fail_loudly_when_deepspeed_renames_them():
+    stage2 = SimpleNamespace(grads_in_partition=None, averaged_gradients={0: [torch.zeros(3)]},
+                             single_partition_of_fp32_groups=[torch.zeros(4)],
+                             optimizer=torch.optim.SGD([torch.zeros(1)]),
+                             ipg_buckets={torch.float32: SimpleNamespace(buffer=[torch.zeros(5)])})
+    found = compat.zero_optimizer_buffers(stage2, 2)
+    assert [len(found[k]) for k in ("partitions", "gradients", "master", "buckets")] == [0, 1, 1, 1]
+    del stage2.single_partition_of_fp32_groups
+    with pytest.raises(compat.PrivateAPIMissing, match="single_partition_of_fp32_groups.*0.19.8"):
+        compat.zero_optimizer_buffers(stage2, 2)
 
 
 def test_recommender_replays_the_lan_cluster_decision_tree():
@@ -148,3 +219,15 @@ def test_recommender_replays_the_lan_cluster_decision_tree():
     assert a100.strategy in ("fsdp", "zero3") and a100.per_device["fits"].all()  # only 1/4 of everything fits
     none = memory.recommend(memory.QWEN25_7B, lan, lora_r=None)
     assert none.strategy == "none" and "Nothing fits" in none.reasoning[-1]
+
+
+def test_recommendation_is_a_decision_rendered_as_prose():
+    lan = memory.LAN_CLUSTER
+    decision = advice.decide(memory.LLAMA2_7B, lan, lora_r=16, lora_targets=["q_proj", "v_proj"])
+    assert decision.outcome == "quantise_for_link" and decision.outcome in advice.OUTCOMES
+    assert (decision.chosen.strategy, decision.chosen.weight_bytes) == ("ddp", 0.5)
+    assert [o.setup for o in decision.options][:4] == ["ddp, bf16 weights", "zero2, bf16 weights",
+                                                       "fsdp, bf16 weights", "zero3, bf16 weights"]
+    assert decision.option("fsdp").comm_s > decision.max_comm_s  # why the tree did not stop at sharding
+    rec = memory.recommend(memory.LLAMA2_7B, lan, lora_r=16, lora_targets=["q_proj", "v_proj"])
+    assert rec.reasoning == advice.explain(decision) and len(rec.candidates) == len(decision.options)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from distlab import book, paths
+from distlab import paths
+from distlab.publish import book
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.slow
 def executed(tmp_path_factory):
     root = tmp_path_factory.mktemp("book")
     out, figures, work = root / "notebooks", root / "figures", root / "work"
-    proc = subprocess.run([sys.executable, "-m", "distlab.regenerate", "--profile", "quick", "--out-dir", str(out),
-                           "--figures-dir", str(figures), "--work-dir", str(work), "--timeout-s", "900"],
+    proc = subprocess.run([sys.executable, "-m", "distlab.publish.regenerate", "--profile", "quick",
+                           "--out-dir", str(out), "--figures-dir", str(figures), "--work-dir", str(work),
+                           "--timeout-s", "900"],
                           capture_output=True, text=True, timeout=2400)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0, f"regenerate failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

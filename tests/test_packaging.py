@@ -59,7 +59,8 @@ def test_notebooks_are_stored_without_outputs():
         nb = json.loads(path.read_text())
         for i, cell in enumerate(nb["cells"]):
             if cell["cell_type"] == "code":
-                assert not cell.get("outputs") and cell.get("execution_count") is None, f"{path.name} cell {i} has outputs"
+                assert not cell.get("outputs") and cell.get("execution_count") is None, \
+                    f"{path.name} cell {i} has outputs"
 
 
 def test_notebooks_have_a_parameters_cell():

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.jobs import launch_training
+from distlab.launch.jobs import launch_training
+from distlab.measure.bubble import read_timeline, stage_idle, step_summary, theoretical_bubble, transfers
 from distlab.metrics import read_log
-from distlab.pipeline_bubble import read_timeline, stage_idle, step_summary, theoretical_bubble, transfers
-from distlab.strategies.pipeline import StageModule, split_layers, stack_microbatches
+from distlab.strategies.split import StageModule, split_layers, stack_microbatches
 
 COMMON = {"max_steps": 3, "micro_batch_size": 2, "grad_accum": 2, "seq_len": 128, "logging_steps": 1,
           "lora_dropout": 0.0, "eval_at_start": False, "warmup_steps": 1}
@@ -102,7 +102,9 @@ def test_two_stage_schedules_match_single_device(schedule, single_lora, tmp_path
     want, got = losses(single_lora.log), losses(job.log)
     assert got[0] == pytest.approx(want[0], rel=1e-6)  # the first step: same batch, same weights
     assert got == pytest.approx(want, rel=1e-5)
-    evals = lambda log: [r["eval_loss"] for r in read_log(log, event="eval")]
+    def evals(log):
+        return [r["eval_loss"] for r in read_log(log, event="eval")]
+
     assert evals(job.log) == pytest.approx(evals(single_lora.log), rel=1e-5)
 
     # The bubble on a small m, from the recorded timeline.
@@ -113,7 +115,8 @@ def test_two_stage_schedules_match_single_device(schedule, single_lora, tmp_path
     for s in range(p):
         for kind in "FB":
             assert sorted(e["mb"] for e in events if e["stage"] == s and e["kind"] == kind) == list(range(m))
-    order = [f"{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["t0"]) if e["stage"] == 1 and e["kind"] in "FB"]
+    order = [f"{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["t0"])
+             if e["stage"] == 1 and e["kind"] in "FB"]
     assert order == (["F0", "F1", "B0", "B1"] if schedule == "gpipe" else ["F0", "B0", "F1", "B1"])
     summary = step_summary(events)
     assert 0.05 < summary["bubble_fraction"] < 0.75

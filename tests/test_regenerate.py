@@ -1,8 +1,8 @@
-"""python -m distlab.regenerate: order, profiles, failure reporting, and no orphaned processes.
+"""python -m distlab.publish.regenerate: order, profiles, failure reporting, and no orphaned processes.
 
 The fixture notebooks (tests/fixtures/notebooks) start long-lived children before failing or
 hanging: one with subprocess.Popen (it stays in the kernel's process group) and one through
-distlab.runner from a background thread (a session of its own, so killing the kernel's group does
+distlab.launch.runner from a background thread (a session of its own, so killing the kernel's group does
 not reach it). Both must be gone once regenerate returns.
 """
 
@@ -20,7 +20,7 @@ import nbformat
 import psutil
 import pytest
 
-from distlab import regenerate
+from distlab.publish import regenerate
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "notebooks"
@@ -38,7 +38,7 @@ def _notebooks(tmp_path: Path, *names: str) -> tuple[Path, Path]:
 
 def _regenerate(tmp_path: Path, nbdir: Path, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
     env = dict(os.environ, DISTLAB_BUILD=str(tmp_path / "build"), DISTLAB_FIGURES=str(tmp_path / "figures"))
-    cmd = [sys.executable, "-m", "distlab.regenerate", "--profile", "quick", "--notebooks-dir", str(nbdir),
+    cmd = [sys.executable, "-m", "distlab.publish.regenerate", "--profile", "quick", "--notebooks-dir", str(nbdir),
            "--out-dir", str(tmp_path / "book_notebooks"), "--work-dir", str(tmp_path / "work"), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 

@@ -1,4 +1,4 @@
-"""distlab.runner's guarantees, proven with real processes (bash, sleep, python, torchrun on CPU).
+"""distlab.launch.runner's guarantees, proven with real processes (bash, sleep, python, torchrun on CPU).
 
 Every test records the processes that the job started (they print "PID <n>" lines, read through
 the echo callback while the job runs) and checks with psutil, by pid and start time, that none
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab import runner
+from distlab.launch import runner
 
 PID_RE = re.compile(r"PID (\d+)")
 

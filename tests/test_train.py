@@ -63,7 +63,8 @@ def test_full_finetune_and_activation_checkpointing_agree(tmp_path):
     common = dict(QUICK, max_steps=2, logging_steps=1, lora=False, eval_file=None, save_model=False,
                   lora_dropout=0.0)
     plain = read_log(train(TrainConfig(**common, output_dir=str(tmp_path / "p"))).log_path)
-    ckpt = read_log(train(TrainConfig(**common, activation_checkpointing=True, output_dir=str(tmp_path / "c"))).log_path)
+    ckpt_cfg = TrainConfig(**common, activation_checkpointing=True, output_dir=str(tmp_path / "c"))
+    ckpt = read_log(train(ckpt_cfg).log_path)
     assert [s["loss"] for s in plain] == pytest.approx([s["loss"] for s in ckpt], rel=1e-5)
 
 

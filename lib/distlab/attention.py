@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from distlab import compat
 
 VARLEN = "distlab_varlen"  # the name registered with transformers
 ALIASES = {"varlen": VARLEN}  # what TrainConfig.attn_implementation may say
@@ -45,6 +48,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     """transformers attention-interface function: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
     position_ids = kwargs.get("position_ids")
     if position_ids is None or query.shape[2] != key.shape[2] or position_ids.shape[-1] != query.shape[2]:
+        # deferred: transformers is slow to import
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -69,7 +73,9 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
 def register() -> None:
     """Make VARLEN a valid `attn_implementation` (idempotent)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # deferred: transformers is slow to import
+
+    # deferred: transformers is slow to import
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(VARLEN, varlen_attention)
@@ -82,3 +88,36 @@ def resolve(name: str) -> str:
     if name == VARLEN:
         register()
     return name
+
+
+def sdpa_backends(device: str | torch.device = "cpu", heads: int = 4, head_dim: int = 64, seq: int = 128) -> list[dict]:
+    """Which scaled_dot_product_attention backends run on this device, and which one PyTorch picks,
+    for the two kinds of attention the tutorial's batches use: plain causal (is_causal, no mask)
+    and a boolean mask (packed rows: block-diagonal causal; padded rows: causal + padding). Each
+    backend is tried alone (torch.nn.attention.sdpa_kernel); the pick is PyTorch's own dispatch
+    (distlab.compat.fused_sdp_choice)."""
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(2, heads, seq, head_dim, device=device, dtype=dtype)
+    mask = torch.ones(2, 1, seq, seq, dtype=torch.bool, device=device).tril()
+    names = {0: "math", 1: "flash", 2: "mem_efficient", 3: "cudnn", 4: "overrideable"}
+    rows = []
+    for kind, kwargs in (("causal, no mask", {"is_causal": True}),
+                         ("boolean mask (packing/padding)", {"attn_mask": mask})):
+        row = {"attention": kind}
+        for name, backend in (("math", SDPBackend.MATH), ("flash", SDPBackend.FLASH_ATTENTION),
+                              ("mem_efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q, q, q, **kwargs)
+                row[name] = True
+            except RuntimeError:
+                row[name] = False
+        try:
+            choice = compat.fused_sdp_choice(q, q, q, kwargs.get("attn_mask"), 0.0, kwargs.get("is_causal", False))
+            row["pytorch picks"] = names.get(choice, str(choice))
+        except RuntimeError:  # PyTorch could not pick for these inputs on this device
+            row["pytorch picks"] = "unknown"
+        rows.append(row)
+    return rows

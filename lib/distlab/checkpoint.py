@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import faults
+from distlab import faults
 
 COMPLETE = "COMPLETE"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from .paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
+from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -18,7 +18,8 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class TrainConfig:
     # model
     model: str | None = None  # None: the offline tiny Qwen2; or an HF id / folder / random preset
-    attn_implementation: str = "varlen"  # per-document attention for packed rows (distlab.attention); or "sdpa", "eager"
+    # per-document attention for packed rows (distlab.attention); or "sdpa", "eager"
+    attn_implementation: str = "varlen"
     # data
     train_file: str = str(TRAIN_FILE)
     eval_file: str | None = str(EVAL_FILE)
@@ -52,9 +53,12 @@ class TrainConfig:
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
     measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)
     # sharding (chapter 03: FSDP2 and DeepSpeed ZeRO)
-    fsdp_reshard_after_forward: bool = True  # fsdp: free each layer's gathered weights after forward, re-gather in backward
-    zero_offload_optimizer: bool = False  # zero2/zero3: optimizer state and update on the CPU (DeepSpeed offload_optimizer)
-    measure_state: bool = False  # record the bytes of weights, gradients and optimizer state each rank holds (result JSON)
+    # fsdp: free each layer's gathered weights after forward, re-gather in backward
+    fsdp_reshard_after_forward: bool = True
+    # zero2/zero3: optimizer state and update on the CPU (DeepSpeed offload_optimizer)
+    zero_offload_optimizer: bool = False
+    # record the bytes of weights, gradients and optimizer state each rank holds (result JSON)
+    measure_state: bool = False
     # pipeline (chapter 04): the micro-batches of one step are the loop's grad_accum micro-batches of
     # micro_batch_size rows (m = grad_accum, or global_batch_size / micro_batch_size); every stage sees them all
     pipeline_stages: int | None = None  # pipeline/ds_pipeline: stages (None: one per rank; pure pipeline)

@@ -175,7 +175,8 @@ def load_jsonl(path: str | Path, require_assistant: bool = True) -> Conversation
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            errors.append(DataError(*where, "<row>", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"))
+            errors.append(DataError(*where, "<row>",
+                                    f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"))
             continue
         if not text.strip():
             if lineno < data.count(b"\n") + 1 or text:  # the final newline's empty tail is not a blank line
@@ -223,7 +224,9 @@ def _assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tu
     A span runs from the end of the rendered prefix "... <assistant header>" to the end of the
     rendered conversation up to and including that reply, so it covers the end-of-turn marker
     too: a model that never sees it labelled never learns to stop."""
-    render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    def render(msgs, gen=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
     full = render(messages)
     spans = []
     for i, msg in enumerate(messages):

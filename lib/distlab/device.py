@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .paths import CACHE_DIR
+from distlab.paths import CACHE_DIR
+from distlab.publish.provenance import device_description
 
 # Dense (no sparsity) peak FLOP/s from vendor data sheets, matched by substring of the device name.
 # Only used when the name matches; anything else is measured with a matmul benchmark.
@@ -26,6 +27,14 @@ KNOWN_PEAKS: dict[str, dict[str, float]] = {
     "MI250X": {"bf16": 383e12, "fp32": 47.9e12},
     "MI100": {"bf16": 92.3e12, "fp32": 23.1e12},
 }
+
+
+def backend_for(device: str = "auto") -> str:
+    """The process-group backend for ranks on `device`: nccl for GPUs (RCCL answers to the same
+    name on ROCm), gloo for CPU ranks. `auto` means a GPU when one is visible."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "nccl" if str(device).startswith("cuda") else "gloo"
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,6 @@ def device_name(device: torch.device | str = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from .provenance import device_description
 
     return device_description()
 

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import pandas as pd
 import torch
 
-from .data import Conversation, load_prompts
+from distlab.data import Conversation, load_prompts
 
 GENERATION_DEFAULTS = {"max_new_tokens": 96, "temperature": 0.2, "top_p": 0.9, "seed": 42}
 
@@ -64,7 +65,6 @@ def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
 
 def side_by_side(before: Sequence[dict], after: Sequence[dict]):
     """A table of prompt | before | after, matched by id (a missing partner is an error)."""
-    import pandas as pd
 
     after_by_id = {r["id"]: r for r in after}
     missing = [r["id"] for r in before if r["id"] not in after_by_id]

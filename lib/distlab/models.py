@@ -13,12 +13,15 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from .paths import MODEL_CACHE, TRAIN_FILE
+from distlab.attention import resolve
+from distlab.data import IGNORE_INDEX, load_jsonl
+from distlab.paths import MODEL_CACHE, TRAIN_FILE
 
 DEFAULT_MODEL = "distlab-tiny"
 BUILD_RECIPE_VERSION = 2  # bump when the recipe below changes, so cached builds are rebuilt
@@ -61,15 +64,14 @@ def _file_lock(path: Path):
 
 
 def _corpus(train_file: Path) -> list[str]:
-    from .data import load_jsonl
-
     return [m["content"] for conv in load_jsonl(train_file) for m in conv.messages]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     """A byte-level BPE tokenizer (as GPT-2/Qwen use) with ChatML special tokens."""
+    # deferred: only the model builder needs it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: transformers is slow to import
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -84,7 +86,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
 
 
 def qwen2_config(tokenizer, **shape):
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config  # deferred: transformers is slow to import
 
     shape = dict(shape)
     shape.setdefault("vocab_size", len(tokenizer))
@@ -106,7 +108,7 @@ def build_default_model(out_dir: str | Path | None = None, train_file: str | Pat
 
     Rebuilt only when the training data or the recipe changed. Written to a temporary folder
     and renamed into place, so a crash never leaves a half-written model behind."""
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM  # deferred: transformers is slow to import
 
     out_dir = Path(out_dir or MODEL_CACHE / "distlab-tiny-qwen2")
     digest = _recipe_hash(Path(train_file))
@@ -141,9 +143,8 @@ def resolve_model(model: str | Path | None) -> str:
 def _quiet_hf() -> None:
     """Per-load progress bars from transformers add nothing but noise to notebook outputs, and
     peft calls a transformers method that transformers 5 deprecates (not ours to fix)."""
-    import warnings
 
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # deferred: transformers is slow to import
 
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -151,7 +152,7 @@ def _quiet_hf() -> None:
 
 
 def load_tokenizer(model: str | Path | None = None):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers is slow to import
 
     if model in RANDOM_PRESETS:
         model = None  # random-init presets reuse the default tokenizer
@@ -164,17 +165,14 @@ def load_tokenizer(model: str | Path | None = None):
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", seed: int = 0):
     """from_pretrained for names and folders; seeded random init for the RANDOM_PRESETS shapes."""
-    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
-
-    from .attention import resolve
+    from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     _quiet_hf()
     attn_implementation = resolve(attn_implementation)
     if model in RANDOM_PRESETS:
         config = qwen2_config(load_tokenizer(None), **RANDOM_PRESETS[model])
-        config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config).to(dtype)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(dtype)
     return AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype,
                                                 attn_implementation=attn_implementation)
 
@@ -208,14 +206,21 @@ class CausalLMWithLoss(torch.nn.Module):
         return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
 
     def forward(self, input_ids, labels, position_ids=None, attention_mask=None):
-        from .data import IGNORE_INDEX
-
         causal = self.causal_lm
         # use_cache=False: with a cache object present, transformers does not derive the
         # block-diagonal mask from restarting position ids, and packed rows would leak.
         hidden = causal.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                       attention_mask=attention_mask, use_cache=False).last_hidden_state
-        targets = labels[:, 1:]
-        keep = targets != IGNORE_INDEX
-        logits = causal.get_output_embeddings()(hidden[:, :-1][keep])
-        return torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        return label_loss_sum(hidden, labels, causal.get_output_embeddings())
+
+
+def label_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:
+    """Summed next-token cross entropy over label positions only, the head applied to those alone.
+
+    `head` maps hidden states to logits (the LM head module, or any callable such as a tied
+    embedding's `F.linear`). Every forward that ends in a loss uses this one function: the
+    unsplit model here and the last stage of both pipelines."""
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    logits = head(hidden[:, :-1][keep])
+    return torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="sum")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,34 +21,20 @@ from typing import Any
 
 import torch
 import yaml
+from torch.utils.data import DistributedSampler
+from tqdm import tqdm
 
-from . import checkpoint, faults, provenance
-from .config import TrainConfig, load_config, parse_override
-from .data import build_sft_data
-from .device import choose_device, peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
-from .metrics import StepLog, train_flops_per_token
-from .models import CausalLMWithLoss, count_parameters, load_model, load_tokenizer
-from .strategies import Strategy, make_strategy
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-
-
-def apply_lora(model, cfg: TrainConfig):
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
-    if cfg.fast_dropout:
-        from .dropout import replace_lora_dropout
-
-        replace_lora_dropout(model)
-    return model
+from distlab import checkpoint, faults
+from distlab.config import TrainConfig, load_config, parse_override
+from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
+from distlab.measure.meter import Meter
+from distlab.metrics import StepLog, train_flops_per_token
+from distlab.models import count_parameters
+from distlab.prepare import prepare_run
+from distlab.publish import provenance
+from distlab.results.collect import emit_rank_result
+from distlab.strategies import make_strategy
+from distlab.strategies.base import Strategy
 
 
 class StepBatches:
@@ -61,8 +46,6 @@ class StepBatches:
     silently mixed across epochs). The position is a small state dict for checkpoints."""
 
     def __init__(self, n_items: int, micro: int, accum: int, world: int, rank: int, seed: int):
-        from torch.utils.data import DistributedSampler
-
         per_step = micro * accum * world
         if n_items < per_step:
             raise ValueError(f"{n_items} training items cannot fill one global batch of {per_step} "
@@ -106,31 +89,17 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def _prepare(cfg: TrainConfig, strategy: Strategy):
-    """Tokenizer, data and the loss-computing model, identical on every rank and world size."""
-    choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
-    tokenizer = load_tokenizer(cfg.model)
-    train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
-    eval_data = build_sft_data(cfg.eval_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong) if cfg.eval_file else None
-    seed_everything(cfg.seed)  # the same initial LoRA weights on every rank and every world size
-    model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    if cfg.lora:
-        model = apply_lora(model, cfg)
-    return choice, tokenizer, train_data, eval_data, CausalLMWithLoss(model)
-
-
 def train(cfg: TrainConfig, strategy: Strategy | None = None, keep_group: bool = False) -> TrainResult:
     """One run. `keep_group` leaves the process group up for a next run in the same processes."""
     strategy = strategy or make_strategy(cfg.strategy)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    strategy.setup(cfg)
+    strategy.meter = Meter.for_config(cfg)  # measurement attaches through the strategy's hooks, if asked for
     try:
+        strategy.setup(cfg)
         return _train(cfg, strategy)
     finally:
+        strategy.meter.close()
         strategy.teardown(keep_group)
 
 
@@ -151,7 +120,7 @@ def _resume(cfg, strategy, model, optimizer, scheduler, batches, log: StepLog) -
 
 def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     out = Path(cfg.output_dir)
-    choice, tokenizer, train_data, eval_data, model = _prepare(cfg, strategy)
+    choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
     n_total, n_trainable = count_parameters(model)
     model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
     accum = cfg.micro_steps(strategy.data_parallel_size)
@@ -188,8 +157,6 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         eval_before = strategy.evaluate(model, eval_data, choice)
         log.write("eval", step=0, eval_loss=eval_before)
 
-    from tqdm import tqdm
-
     bar = tqdm(total=cfg.max_steps, initial=first_step - 1, desc="train", mininterval=10.0, file=sys.stdout,
                disable=not (strategy.is_main and cfg.progress))
     model.train()
@@ -203,12 +170,12 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         counts = torch.tensor([sum(b["n_label_tokens"] for b in micro), sum(b["n_real_tokens"] for b in micro),
                                sum(b["n_samples"] for b in micro)], dtype=torch.float64)
         counts = strategy.all_reduce_sum(counts.to(choice.device)).cpu()
-        local_loss = strategy.forward_backward(model, micro, choice, int(counts[0]))
-        grad_norm = strategy.step(model, optimizer, scheduler, cfg.max_grad_norm)
+        local_loss, grad_norm = strategy.train_step(model, micro, choice, int(counts[0]), optimizer, scheduler,
+                                                    cfg.max_grad_norm)
         loss = float(strategy.all_reduce_sum(torch.tensor([local_loss], dtype=torch.float64, device=choice.device)))
         synchronize(choice.device)
         step_time = time.perf_counter() - t0
-        comm = strategy.comm_stats()
+        measured = strategy.meter.take_step()  # communication, pipeline timeline: after the clock stopped
         window.append(step_time)
         bar.update(1)
         faults.after_step(step, strategy.rank)
@@ -220,7 +187,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
                           tokens_per_s=tokens_per_s, samples_per_s=float(counts[2]) / step_time,
                           peak_mem_bytes=peak_memory_bytes(choice.device),
                           mfu=tokens_per_s * flops_per_token / (peak * strategy.world_size),
-                          epoch=batches.epoch, **comm)
+                          epoch=batches.epoch, **measured)
             log.write("step", **record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             window.clear()
@@ -240,8 +207,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         stamp = provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)
         (out / "run_metadata.json").write_text(json.dumps({**run_info, **summary, "provenance": stamp},
                                                           indent=2, default=str))
-    from .collect import emit_rank_result  # launched ranks print their result JSON between log markers
-    emit_rank_result(cfg, strategy, model, optimizer, log.path, summary, probe=(choice, train_data))
+    # launched ranks print their result JSON between log markers (what survives a pod is its log)
+    emit_rank_result(cfg, strategy, log.path, summary, measured_state=strategy.meter.measured_state)
     return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, first_step - 1, summary)
 
 

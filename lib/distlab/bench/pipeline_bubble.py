@@ -10,7 +10,7 @@ rows those add up to ~0.05 of a step at m = 8; 4 rows halve their share. Per ste
 stage's idle fraction is 1 - (its forward+backward time) / (the step's span, first op start to
 last op end over all stages); the bubble is the mean over stages, and the table shows the
 median over the steady-state steps (the first `--skip-steps` left out). See
-distlab.pipeline_bubble for the definitions.
+distlab.measure.bubble for the definitions.
 
 The default model ("balanced") is a random-init copy of the tiny Qwen2 with a 4096-wide FFN, so
 that the LM head and loss, which only the last stage carries, are a small part of a stage (the last
@@ -29,15 +29,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..pipeline_bubble import balanced_bench_model, bubble_sweep
+from distlab.measure.bubble import balanced_bench_model, bubble_sweep
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.bench.pipeline_bubble", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab.bench.pipeline_bubble",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--ms", default="1,2,4,8", help="micro-batches per step to sweep")
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--skip-steps", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default="balanced", help="balanced | tiny | an HF id or folder")
@@ -49,16 +49,17 @@ def main(argv=None) -> int:
           flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         df = bubble_sweep(ms, args.schedules.split(","), model=model, micro_batch_size=args.micro_batch_size,
-                          seq_len=args.seq_len, steps=args.steps, skip_steps=args.skip_steps, runs_dir=Path(tmp),
+                          seq_len=args.seq_len, steps=args.steps, runs_dir=Path(tmp),
                           prefix="bench", echo=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     cols = ["m", "schedule", "schedule_run", "measured", "theory", "abs_diff"] + \
-        [c for c in df.columns if c.startswith("idle_stage")] + ["step_ms", "comm_ms"]
+        [c for c in df.columns if c.startswith("idle_stage")] + ["pipeline_span_s", "comm_time_s"]
     print(df[cols].round(3).to_markdown(index=False))
     checked = df[df["m"] >= 2]
     worst = float(checked["abs_diff"].max()) if len(checked) else 0.0
     ok = worst <= args.tolerance
-    print(f"largest |measured - theory| for m >= 2: {worst:.3f} (tolerance {args.tolerance}) -> {'OK' if ok else 'OVER'}")
+    print(f"largest |measured - theory| for m >= 2: {worst:.3f} (tolerance {args.tolerance}) "
+          f"-> {'OK' if ok else 'OVER'}")
     return 0 if ok else 1
 
 

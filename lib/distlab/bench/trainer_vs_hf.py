@@ -22,16 +22,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
+import torch
+
+from distlab.config import TrainConfig
+from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conversations
+from distlab.launch.runner import python_module_cmd, run
+from distlab.metrics import read_log
+from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+from distlab.prepare import apply_lora, seed_everything
+from distlab.publish.provenance import save_table, stamp
+from distlab.train import train
+
 FRAMEWORKS = ("distlab", "hf_trainer", "trl_sft_packing")
 
 
 def _common(args):
-    import torch
-
-    from ..config import TrainConfig
-    from ..data import load_jsonl, tokenize_conversations
-    from ..models import load_tokenizer
-
     torch.set_num_threads(1)
     cfg = TrainConfig(max_steps=args.steps, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                       lr=2e-3, warmup_steps=5, eval_file=None, save_model=False, progress=False, logging_steps=1)
@@ -46,9 +52,6 @@ def _throughput(step_end_times: list[float], step_tokens: list[int], warmup: int
 
 
 def run_distlab(args) -> dict:
-    from ..metrics import read_log
-    from ..train import train
-
     cfg, _, _ = _common(args)
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg.replace(output_dir=tmp, eval_at_start=False, eval_at_end=False))
@@ -61,7 +64,7 @@ class _StepClock:
     """Trainer callback recording wall time at each step end, and a collator counting real tokens."""
 
     def __init__(self, collator):
-        from transformers import TrainerCallback
+        from transformers import TrainerCallback  # deferred: transformers is slow to import
 
         self.collator, self.times, self.pending, self.tokens = collator, [], 0, []
         clock = self
@@ -84,9 +87,6 @@ class _StepClock:
 
 
 def _hf_model(cfg):
-    from ..models import load_model
-    from ..train import apply_lora, seed_everything
-
     seed_everything(cfg.seed)
     model = load_model(cfg.model)  # stock SDPA attention
     model.config.use_cache = False
@@ -94,6 +94,7 @@ def _hf_model(cfg):
 
 
 def run_hf_trainer(args) -> dict:
+    # deferred: transformers is slow to import
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     cfg, tokenizer, examples = _common(args)
@@ -112,8 +113,8 @@ def run_hf_trainer(args) -> dict:
 
 
 def run_trl(args) -> dict:
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from datasets import Dataset  # deferred: only the TRL baseline needs it
+    from trl import SFTConfig, SFTTrainer  # deferred: TRL is only a benchmark baseline
 
     cfg, tokenizer, examples = _common(args)
     data = Dataset.from_list([{"input_ids": e.input_ids,
@@ -141,13 +142,7 @@ RECIPE = (("stock: SDPA with the packing mask, nn.Dropout", {"attn_implementatio
 def recipe_ablation(steps: int = 8, warmup: int = 2, rounds: int = 2, micro_batch_size: int = 4, seq_len: int = 256):
     """distlab's own speed-ups one at a time, in this process (one thread), on the same packed
     batches: milliseconds per forward+backward+AdamW step, medians over alternating rounds."""
-    import pandas as pd
-    import torch
 
-    from ..config import TrainConfig
-    from ..data import build_sft_data, model_inputs
-    from ..models import CausalLMWithLoss, load_model, load_tokenizer
-    from ..train import apply_lora, seed_everything
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -160,8 +155,8 @@ def recipe_ablation(steps: int = 8, warmup: int = 2, rounds: int = 2, micro_batc
             for label, changes in RECIPE:
                 run_cfg = cfg.replace(**changes)
                 seed_everything(cfg.seed)
-                model = CausalLMWithLoss(apply_lora(load_model(cfg.model, attn_implementation=run_cfg.attn_implementation),
-                                                    run_cfg)).train()
+                base = load_model(cfg.model, attn_implementation=run_cfg.attn_implementation)
+                model = CausalLMWithLoss(apply_lora(base, run_cfg)).train()
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
                 for i, batch in enumerate(batches):
                     if i == warmup:
@@ -183,9 +178,7 @@ WORKERS = {"distlab": run_distlab, "hf_trainer": run_hf_trainer, "trl_sft_packin
 def compare(steps: int = 40, warmup: int = 5, rounds: int = 2, micro_batch_size: int = 4, seq_len: int = 256,
             frameworks=FRAMEWORKS, timeout_s: float = 600, echo=False):
     """Run every framework `rounds` times (alternating) and return a DataFrame of medians and ratios."""
-    import pandas as pd
 
-    from ..runner import python_module_cmd, run
 
     results: dict[str, list[float]] = {f: [] for f in frameworks}
     for r in range(rounds):
@@ -236,7 +229,6 @@ def main(argv=None) -> int:
                 float(df.loc[df.framework == name, "tokens_per_s"].iloc[0])
             print(f"distlab / {name}: {ratio:.2f}x")
     if args.csv:
-        from ..provenance import save_table, stamp
 
         save_table(df, args.csv, stamp("distlab-tiny", 1, threads_per_rank=1, steps=args.steps))
     return 0

@@ -1,9 +1,24 @@
 """Programs that run inside torchrun ranks (`python -m distlab.workers.<name>`).
 
-Each one is launched from a notebook through `distlab.runner.run`, so a hang or a crash is
+Each one is launched from a notebook through `distlab.launch.runner.run`, so a hang or a crash is
 killed as a process group and reported with the failing rank's last lines. Rank 0 writes the
-result as JSON to the path given with `--out`; the launching side parses it.
+result as JSON (`write_result`) to the path given with `--out`; the launching side parses it.
 
   fingerprint      every rank reports its software/hardware fingerprint; rank 0 flags mismatches
   allreduce_bench  all-reduce bandwidth over a message-size sweep (algbw and busbw, as nccl-tests)
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Rank 0's JSON result, written to a temporary file and renamed: the launcher never reads a
+    half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(path)

@@ -9,20 +9,23 @@ time of the slowest rank counts (a collective is only done when everyone is). Th
     busbw = algbw * 2 * (n - 1) / n       what each link carried in a ring all-reduce
 
 busbw does not depend on the number of ranks for an ideal ring, so it can be compared with the
-hardware's link bandwidth and across world sizes. gloo on CPU, nccl on GPU (--backend auto).
+hardware's link bandwidth and across world sizes. gloo on CPU, nccl on GPU (--backend auto:
+distlab.device.backend_for; the launcher, distlab.measure.limits, picks gloo when GPUs are too few).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from distlab.device import backend_for
+from distlab.workers import write_result
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,15 +40,13 @@ class Collective:
 
     def __init__(self, backend: str):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.backend = backend
-        if backend == "nccl":
+        self.backend = backend_for("auto") if backend == "auto" else backend
+        if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=300))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def sync(self) -> None:
@@ -130,12 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{r['size_bytes']:>12} {r['count']:>10} {r['iters']:>6} {r['time_us']:>10.1f} "
                       f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f}", flush=True)
         if comm.rank == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"backend": comm.backend, "world_size": comm.world,
-                                       "device": str(comm.device), "dtype": args.dtype,
-                                       "bus_factor": bus_factor(comm.world), "results": results}, indent=1) + "\n")
-            tmp.replace(args.out)
+            write_result(args.out, {"backend": comm.backend, "world_size": comm.world, "device": str(comm.device),
+                                    "dtype": args.dtype, "bus_factor": bus_factor(comm.world), "results": results})
         comm.barrier()
     finally:
         dist.destroy_process_group()

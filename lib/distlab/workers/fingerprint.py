@@ -1,6 +1,6 @@
 """Every rank computes `envcheck.fingerprint()`; rank 0 gathers them and flags differences.
 
-Launched by `distlab.envcheck.run_fingerprint` (one node or several; see its docstring):
+Launched by `distlab.measure.envcheck.run_fingerprint` (one node or several; see its docstring):
 
     torchrun --standalone --nproc-per-node 2 -m distlab.workers.fingerprint --out fp.json
 
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from distlab import envcheck
+from distlab.measure import envcheck
+from distlab.workers import write_result
 
 
 def perturbed_for_test(fp: dict[str, str], rank: int) -> dict[str, str]:
@@ -35,7 +35,10 @@ def format_table(rows: list[dict]) -> str:
     columns = list(rows[0])
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(values, widths)).rstrip()
+
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
@@ -59,11 +62,8 @@ def main(argv: list[str] | None = None) -> None:
             bad = [r["field"] for r in rows if r["MISMATCH"]]
             verdict = f"MISMATCH in {', '.join(bad)}" if bad else "all must-match fields agree"
             print(f"fingerprint: {world} ranks, {verdict}", flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = args.out.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"world_size": world, "fingerprints": gathered, "rows": rows,
-                                       "mismatched_fields": bad}, indent=1) + "\n")
-            tmp.replace(args.out)  # the launcher never sees a half-written file
+            write_result(args.out, {"world_size": world, "fingerprints": gathered, "rows": rows,
+                                    "mismatched_fields": bad})
         dist.barrier()  # nobody exits (and tears down the store) before rank 0 is done
     finally:
         dist.destroy_process_group()

@@ -14,15 +14,20 @@ import platform
 import shutil
 import socket
 import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from . import runner
-from .paths import RUNS_DIR
+import pandas as pd
+import psutil
+import torch
+import torch.distributed as dist
 
-# Versions read from package metadata only: importing deepspeed costs seconds (and may JIT-build).
-PACKAGES = ("torch", "transformers", "peft", "accelerate", "deepspeed", "tokenizers")
+from distlab.device import backend_for
+from distlab.launch import runner
+from distlab.launch.torchrun import torchrun_flags
+from distlab.paths import RUNS_DIR
+from distlab.publish.provenance import cpu_model, package_versions
+
 DIST_BACKENDS = ("nccl", "gloo", "mpi")
 
 # Fields of fingerprint() that must be equal on every rank before a multi-node job is worth
@@ -32,23 +37,14 @@ INFO_FIELDS = ("hostname", "devices", "device_count", "cpu_model", "torch_num_th
 
 FAKE_RANK1_ENV = "DISTLAB_FINGERPRINT_FAKE_RANK1"  # test knob, see workers/fingerprint.py
 
+# The backend the tutorial's ranks use on a device (notebook 00 prints it): distlab.device decides.
+tutorial_backend = backend_for
+
 
 # ---------------------------------------------------------------- versions and hardware
 
-def package_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def accelerator_runtime() -> tuple[str, str]:
     """('CUDA', version) or ('ROCm', version) that this torch was built for, or ('none', '')."""
-    import torch
-
     if getattr(torch.version, "hip", None):
         return "ROCm", str(torch.version.hip)
     if torch.version.cuda:
@@ -58,8 +54,6 @@ def accelerator_runtime() -> tuple[str, str]:
 
 def nccl_version() -> str:
     """The NCCL (RCCL on ROCm) bundled with torch: it must match across nodes for nccl jobs."""
-    import torch
-
     if not torch.cuda.is_available():
         return "n/a"
     try:
@@ -92,8 +86,6 @@ def _tool_output(cmd: list[str], timeout_s: float = 10) -> str:
 
 def accelerators() -> list[dict[str, Any]]:
     """One entry per visible GPU (CUDA or ROCm; torch exposes both as 'cuda')."""
-    import torch
-
     if not torch.cuda.is_available():
         return []
     kind, runtime = accelerator_runtime()
@@ -112,31 +104,10 @@ def accelerators() -> list[dict[str, Any]]:
 
 
 def distributed_backends() -> dict[str, bool]:
-    import torch.distributed as dist
-
     if not dist.is_available():
         return {b: False for b in DIST_BACKENDS}
     checks = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available, "mpi": dist.is_mpi_available}
     return {b: bool(checks[b]()) for b in DIST_BACKENDS}
-
-
-def tutorial_backend(device: str = "auto") -> str:
-    """nccl for GPUs (RCCL answers to the same name on ROCm), gloo for CPU ranks."""
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "nccl" if device == "cuda" else "gloo"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def usable_cores() -> int:
@@ -148,8 +119,6 @@ def usable_cores() -> int:
 
 
 def cpu_and_memory() -> dict[str, Any]:
-    import psutil
-
     vm = psutil.virtual_memory()
     return {
         "model": cpu_model(),
@@ -175,15 +144,13 @@ def environment_report() -> dict[str, Any]:
         "gpu_driver": gpu_driver_version(),
         "nccl": nccl_version(),
         "backends_available": distributed_backends(),
-        "backend_used_here": tutorial_backend(),
+        "backend_used_here": backend_for(),
         "cpu": cpu_and_memory(),
     }
 
 
 def report_table(report: Mapping[str, Any] | None = None):
     """The report as a two-level (section, item) -> value DataFrame for display in a notebook."""
-    import pandas as pd
-
     report = report if report is not None else environment_report()
     rows = [("versions", k, v) for k, v in report["versions"].items()]
     rows += [("accelerator", "torch built for", report["torch_built_for"]),
@@ -210,8 +177,6 @@ def fingerprint() -> dict[str, str]:
     """What must match across ranks (versions, runtimes, backends), plus what identifies the node.
 
     Values are strings so that ranks compare them exactly and JSON keeps them as they are."""
-    import torch
-
     kind, runtime = accelerator_runtime()
     gpus = accelerators()
     fp = dict(package_versions())
@@ -248,61 +213,57 @@ def compare_fingerprints(per_rank: Sequence[Mapping[str, str]]) -> list[dict[str
     return rows
 
 
-def fingerprint_table(rows: Sequence[Mapping[str, Any]]):
-    import pandas as pd
-
+def fingerprint_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(list(rows))
 
 
 def run_fingerprint(nproc: int = 2, timeout_s: float = 120, nnodes: int = 1, node_rank: int = 0,
                     rdzv_endpoint: str | None = None, out_json: str | Path | None = None,
                     backend: str = "gloo", env: Mapping[str, str] | None = None,
-                    echo: bool | Callable[[str], None] = True):
+                    echo: bool | Callable[[str], None] = True) -> pd.DataFrame | None:
     """Launch the fingerprint worker on `nproc` ranks per node and return rank 0's table.
 
-    One machine (the default): `torchrun --standalone --nproc-per-node N -m
+    One machine (the default): `torchrun --nnodes 1 --nproc-per-node N --standalone -m
     distlab.workers.fingerprint --out F`.
 
     Several machines: run the same call on every node with the same `nnodes` and
-    `rdzv_endpoint` ("host:port" of node 0, reachable from all nodes through the firewall) and
-    that node's `node_rank`, which becomes
+    `rdzv_endpoint` ("host:port" of node 0, reachable from all nodes through the firewall); each
+    node then runs
 
-        torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
+        torchrun --nnodes 2 --nproc-per-node 1 \\
                  --rdzv-backend c10d --rdzv-endpoint 192.168.1.100:29500 --rdzv-id distlab-fp \\
                  -m distlab.workers.fingerprint --out fingerprint.json
 
-    (and `--node-rank 1` on the second machine). Pass `env={"GLOO_SOCKET_IFNAME": "eth0"}` to
-    pin the network interface. Only global rank 0 (on node 0) writes the JSON, so the other
-    nodes get None back (their launch still fails loudly if any rank failed).
+    The c10d rendezvous numbers the nodes as they join, so `node_rank` is not passed on (torchrun
+    ignores --node-rank there). Pass `env={"GLOO_SOCKET_IFNAME": "eth0"}` to pin the network
+    interface. Only global rank 0 writes the JSON, so the other nodes get None back (their launch
+    still fails loudly if any rank failed).
 
     The worker uses gloo by default even on GPU nodes: the point is to compare software before
     trusting NCCL, and gloo needs nothing but TCP.
     """
     out_json = Path(out_json) if out_json else RUNS_DIR / "envcheck" / "fingerprint.json"
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.unlink(missing_ok=True)  # a stale file must not pass for this run's result
-    launch = torchrun_args(nproc, nnodes, node_rank, rdzv_endpoint, rdzv_id="distlab-fp")
-    cmd = runner.python_module_cmd("torch.distributed.run", *launch, "-m", "distlab.workers.fingerprint",
-                                   "--out", str(out_json), "--backend", backend)
-    runner.run(cmd, timeout_s=timeout_s, env=worker_env(env), echo=echo,
-               log_path=out_json.with_suffix(".log"))
+    flags = torchrun_flags(nproc, nnodes, rendezvous="standalone" if nnodes == 1 else "c10d",
+                           node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id="distlab-fp")
+    run_worker("distlab.workers.fingerprint", out_json, ["--backend", backend], flags, timeout_s=timeout_s,
+               env=env, echo=echo)
     if not out_json.exists():
         return None  # not node 0: rank 0 lives elsewhere
     return fingerprint_table(json.loads(out_json.read_text())["rows"])
 
 
-def torchrun_args(nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
-                  rdzv_id: str = "distlab") -> list[str]:
-    """torchrun's launch flags for one node (standalone) or one node of several (c10d rendezvous).
+def run_worker(module: str, out_json: Path, worker_args: Sequence[str], flags: Sequence[Sequence[str]], *,
+               timeout_s: float, env: Mapping[str, str] | None = None,
+               echo: bool | Callable[[str], None] = True) -> runner.RunResult:
+    """Run a distlab.workers program under torchrun (`flags` from torchrun_flags) through runner.run:
+    `module --out out_json worker_args...`, its console log beside out_json as .log.
 
-    `--tee 3` prefixes every rank's lines with [defaultN]: so runner.run can say which rank failed."""
-    args = ["--nproc-per-node", str(nproc), "--tee", "3"]
-    if nnodes == 1:
-        return ["--standalone", *args]
-    if not rdzv_endpoint:
-        raise ValueError("nnodes > 1 needs rdzv_endpoint='host:port' of node 0")
-    return ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id, *args]
+    A stale out_json is removed first, so that only this run's result can be read afterwards."""
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.unlink(missing_ok=True)
+    cmd = runner.python_module_cmd("torch.distributed.run", *(flag for group in flags for flag in group),
+                                   "-m", module, "--out", str(out_json), *worker_args)
+    return runner.run(cmd, timeout_s=timeout_s, env=worker_env(env), echo=echo, log_path=out_json.with_suffix(".log"))
 
 
 def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

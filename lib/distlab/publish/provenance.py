@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .paths import REPO_ROOT
+from distlab.paths import REPO_ROOT
+
+# The packages whose versions a run records. Read from package metadata only: importing deepspeed
+# costs seconds (and may JIT-build), and this module must stay cheap to import.
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "deepspeed", "tokenizers")
 
 
 def git_commit(short: bool = True) -> str:
@@ -29,10 +35,9 @@ def git_commit(short: bool = True) -> str:
 
 
 def package_versions() -> dict[str, str]:
-    from importlib import metadata
-
+    """Python's version and each of PACKAGES' ("not installed" when absent)."""
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "accelerate", "deepspeed", "tokenizers"):
+    for name in PACKAGES:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -40,27 +45,25 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def device_description() -> str:
-    """A short human name of the compute device: GPU model(s), or the CPU model and core count."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-            return f"{torch.cuda.device_count()}x " + " / ".join(sorted(names))
-    except ImportError:
-        pass
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, or what `platform` knows where that is missing."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import os
+    return platform.processor() or platform.machine()
 
-    return f"CPU {cpu} ({os.cpu_count()} cores)"
+
+def device_description() -> str:
+    """A short human name of the compute device: GPU model(s), or the CPU model and core count."""
+    import torch  # deferred: torch costs seconds to import; git_commit and save_table users (regenerate) need none
+
+    if torch.cuda.is_available():
+        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+        return f"{torch.cuda.device_count()}x " + " / ".join(sorted(names))
+    return f"CPU {cpu_model()} ({os.cpu_count()} cores)"
 
 
 def stamp(model: str, world_size: int | str, device: str | None = None, **extra: Any) -> dict[str, Any]:

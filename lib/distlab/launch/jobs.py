@@ -1,5 +1,5 @@
 """Launch a training run locally the way a practitioner would on a cluster: write the torchrun
-script with distlab.launch, then run it with distlab.runner (own process group, timeout, output
+script with distlab.launch, then run it with distlab.launch.runner (own process group, timeout, output
 streamed into the notebook, every process killed on failure).
 
     job = launch_training("ddp_ws2", world_size=2, overrides={"strategy": "ddp", "max_steps": 50})
@@ -10,6 +10,7 @@ streamed into the notebook, every process killed on failure).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,11 @@ from typing import Any, Mapping
 
 import yaml
 
-from .launch import PIPELINE_STRATEGIES, LaunchSpec, write_scripts
-from .paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
-from .runner import RunResult, run
+from distlab.launch.runner import RunResult, run
+from distlab.launch.spec import LaunchSpec
+from distlab.launch.torchrun import write_scripts
+from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
+from distlab.strategies import PIPELINE_STRATEGIES
 
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
 SCRIPTS_DIR = BUILD_DIR / "launch"
@@ -55,7 +58,9 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
     output_dir = Path(runs_dir) / name
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     args = ["--config", str(config)]
-    common = {**overrides, "progress": False} if variants else {**overrides, "output_dir": str(output_dir), "progress": False}
+    # A sweep's variants name their own output folders; a single run writes to output_dir.
+    own_output = {} if variants else {"output_dir": str(output_dir)}
+    common = {**overrides, **own_output, "progress": False}
     for key, value in common.items():
         args += ["--set", f"{key}={_yaml_value(value)}"]
     for run_name, extra in (variants or {}).items():
@@ -64,7 +69,8 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
     # Pipeline strategies: the launcher checks the stage count (default: one stage per rank).
     stage_counts = {(r.get("pipeline_stages") or world_size) for r in runs if r.get("strategy") in PIPELINE_STRATEGIES}
     if len(stage_counts) > 1:
-        raise ValueError(f"{name}: the runs of one launch must use one pipeline stage count, got {sorted(stage_counts)}")
+        raise ValueError(f"{name}: the runs of one launch must use one pipeline stage count, "
+                         f"got {sorted(stage_counts)}")
     what = f"{len(variants)} runs of distlab.train" if variants else "distlab.train"
     return LaunchSpec(module="distlab.train", args=args, nproc_per_node=world_size, max_restarts=max_restarts,
                       pipeline_stages=stage_counts.pop() if stage_counts else None,
@@ -97,8 +103,6 @@ def launch_sweep(name: str, world_size: int, overrides: Mapping[str, Any], varia
 
 def _launch(spec: LaunchSpec, name: str, run_names: list[str], timeout_s: int, runs_dir: Path, echo: bool,
             check: bool, fresh: bool) -> dict[str, TrainJob]:
-    import shutil
-
     launch_dir = Path(runs_dir) / name
     if fresh:
         for run_name in {name, *run_names}:

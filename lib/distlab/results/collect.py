@@ -5,7 +5,7 @@ On Kubernetes a finished pod's files are gone; its log is not. So at the end of 
 prints its result as one JSON object between two markers on stdout:
 
     === DISTLAB_RESULT_START rank=1 ===
-    {"schema": "distlab.result/1", "strategy": "fsdp", "rank": 1, ...}
+    {"schema": "distlab.result/2", "strategy": "fsdp", "rank": 1, ...}
     === DISTLAB_RESULT_END rank=1 ===
 
 `extract_results` reads them back from any log: torchrun's console (`--tee` prefixes each line with
@@ -16,14 +16,10 @@ the line. `aggregate` turns runs into one row each (`figures/strategy_metrics.cs
 `save_plots` draws tokens/s, step time, peak memory per rank and scaling efficiency, and
 `write_report` writes `figures/BENCHMARK_REPORT.md` with the tables and their provenance.
 
-Definitions (steady state: the first `skip_steps` optimizer steps are left out):
-  tokens_per_sec          real (non-padding) tokens of the global batch / step time, all ranks together
-  mean_step_time_sec      mean over steps of the slowest rank's step time
-  peak_mem                per rank: CUDA allocator peak on GPU, peak RSS of the process on CPU
-  mean_loss               mean training loss over all logged steps (the same on every rank)
-  scaling_efficiency_pct  tokens/s(k ranks) / (k x tokens/s(1 rank, same mode)) x 100
-  comm_time_share_pct     time inside collectives / step time (measured with measure_comm, which
-                          waits for each collective as it is issued: exposed communication)
+Every column is one of distlab.results.schema's, computed by schema.summarise from the per-step lists
+the records carry (the same function chapter 02 runs on step logs): steady state after
+schema.WARMUP_STEPS, the slowest rank's step time, efficiency and communication share as fractions,
+peak memory in bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +33,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-SCHEMA = "distlab.result/1"
+from distlab.config import LORA_TARGETS
+from distlab.measure.state import STATE_COMPONENTS
+from distlab.metrics import read_log
+from distlab.planning.plan import plan_memory
+from distlab.publish.provenance import (
+    device_description,
+    git_commit,
+    save_figure,
+    save_table,
+    stamp_text,
+    write_sidecar,
+)
+from distlab.results import schema
+
+# The result record's format (its keys; the columns computed from it are distlab.results.schema's).
+# 2: per-step comm_bytes, warmup_steps instead of skip_steps, the rank's own numbers in rank_summary.
+SCHEMA = "distlab.result/2"
 START = "=== DISTLAB_RESULT_START rank={rank} ==="
 END = "=== DISTLAB_RESULT_END rank={rank} ==="
 _START_RE = re.compile(r"=== DISTLAB_RESULT_START rank=(\d+) ===")
@@ -63,46 +75,27 @@ def emit_result(record: Mapping[str, Any], rank: int | None = None, stream=None)
     stream.flush()
 
 
-def emit_rank_result(cfg, strategy, model, optimizer, log_path, summary, probe=None, stream=None):
+def emit_rank_result(cfg, strategy, log_path, summary, measured_state=None, stream=None):
     """What distlab.train calls on every rank at the end of a run: print this rank's result between
     markers when the run was launched (torchrun, a Kubernetes pod: RANK is set) or when
     DISTLAB_EMIT_RESULT=1; an in-process run (a notebook calling train()) gets its TrainResult instead.
     Returns the record, or None when nothing was printed."""
     if "RANK" not in os.environ and os.environ.get("DISTLAB_EMIT_RESULT") != "1":
         return None
-    record = rank_result(cfg, strategy, model, optimizer, log_path, summary, probe=probe)
+    record = rank_result(cfg, strategy, log_path, summary, measured_state)
     emit_result(record, stream=stream)
     return record
 
 
-def _steady(values: list, skip: int) -> list:
-    return values[skip:] if len(values) > skip else values
-
-
-def _summarise(steps: list[dict[str, Any]], skip_steps: int) -> dict[str, Any]:
-    times = _steady([s["step_time_s"] for s in steps], skip_steps)
-    tokens = _steady([s["tokens"] for s in steps], skip_steps)
-    comm = _steady([s.get("comm_time_s") for s in steps], skip_steps)
-    out = {"tokens_per_sec": sum(tokens) / sum(times) if times else float("nan"),
-           "mean_step_time_sec": sum(times) / len(times) if times else float("nan"),
-           "mean_loss": sum(s["loss"] for s in steps) / len(steps) if steps else float("nan")}
-    if comm and all(c is not None for c in comm):
-        out["comm_time_share_pct"] = 100 * sum(comm) / sum(times)
-    return out
-
-
-def rank_result(cfg, strategy, model, optimizer, log_path: Path | None, summary: Mapping[str, Any],
-                probe=None, skip_steps: int = 1) -> dict[str, Any]:
+def rank_result(cfg, strategy, log_path: Path | None, summary: Mapping[str, Any],
+                measured_state=None) -> dict[str, Any]:
     """This rank's result record, from its own step log (every rank writes one when world > 1).
 
-    With cfg.measure_state it carries `state_bytes`, the bytes of weights, adapters, gradients and
-    optimizer state this rank owns: measured inside the optimizer step by strategies that keep
-    their own (fsdp, zero2, zero3: `strategy.measured_state`), otherwise by `probe` = (choice,
-    train_data): one more forward and backward on the first micro-batch, measured, then the
-    gradients are dropped again. Every rank calls this (the probe is collective)."""
-    from . import provenance
-    from .metrics import read_log
-
+    The per-step lists (named as in the step log) are what run_metrics summarises over all ranks;
+    `rank_summary` holds this rank's own tokens_per_s, step_time_s and comm_share, for a reader of one
+    pod's log (NaN for a run no longer than the warm-up). `measured_state`, the MemoryBreakdown the meter
+    measured inside a step (with cfg.measure_state; None otherwise), becomes `state_bytes`: the bytes of
+    weights, adapters, gradients, optimizer state and buffers this rank owns."""
     steps = read_log(log_path) if log_path is not None and Path(log_path).exists() else []
     dp = strategy.data_parallel_size
     accum = cfg.micro_steps(dp)
@@ -112,42 +105,21 @@ def rank_result(cfg, strategy, model, optimizer, log_path: Path | None, summary:
         "data_parallel_size": dp, "model": cfg.model or "distlab-tiny", "device": cfg.device, "dtype": cfg.dtype,
         "micro_batch_size": cfg.micro_batch_size, "grad_accum": accum,
         "global_batch_size": cfg.micro_batch_size * accum * dp, "seq_len": cfg.seq_len, "seed": cfg.seed,
-        "lora_r": cfg.lora_r if cfg.lora else None, "skip_steps": skip_steps,
+        "lora_r": cfg.lora_r if cfg.lora else None, "warmup_steps": schema.WARMUP_STEPS,
         "steps": [s["step"] for s in steps], "loss": [s["loss"] for s in steps],
         "step_time_s": [s["step_time_s"] for s in steps], "tokens": [s["tokens"] for s in steps],
-        "comm_time_s": [s.get("comm_time_s") for s in steps],
+        "comm_time_s": [s.get("comm_time_s") for s in steps], "comm_bytes": [s.get("comm_bytes") for s in steps],
         "peak_mem_bytes": max([int(summary.get("peak_mem_bytes") or 0)] + [int(s["peak_mem_bytes"]) for s in steps]),
         "final_loss": summary.get("final_loss"), "eval_loss_before": summary.get("eval_loss_before"),
         "eval_loss_after": summary.get("eval_loss_after"),
-        "device_name": provenance.device_description(), "commit": provenance.git_commit(),
+        "device_name": device_description(), "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    record.update(_summarise(steps, skip_steps))
-    if getattr(cfg, "measure_state", False):
-        measured = getattr(strategy, "measured_state", None)
-        if measured is None and probe is not None:
-            measured = _probe_state(cfg, strategy, model, optimizer, *probe)
-        if measured is not None:
-            from .memory import _COMPONENTS
-
-            record["state_bytes"] = {k: int(getattr(measured, k)) for k in _COMPONENTS if k != "activations"}
+    own = schema.summarise({strategy.rank: steps}) if schema.steady(steps) else {}
+    record["rank_summary"] = {k: own.get(k, schema.NAN) for k in ("tokens_per_s", "step_time_s", "comm_share")}
+    if measured_state is not None:  # activations are not state a rank owns
+        record["state_bytes"] = {k: int(getattr(measured_state, k)) for k in STATE_COMPONENTS if k != "activations"}
     return record
-
-
-def _probe_state(cfg, strategy, model, optimizer, choice, train_data):
-    """Gradients exist only inside a step; for strategies that do not measure there, make them
-    once more on one micro-batch (the same on every rank), measure, and drop them."""
-    import torch
-
-    from .memory import measure_owned_state
-
-    batch = train_data.batch(list(range(min(cfg.micro_batch_size, len(train_data)))))
-    tokens = strategy.all_reduce_sum(torch.tensor([float(batch["n_label_tokens"])], device=choice.device))
-    model.train()
-    strategy.forward_backward(model, [batch], choice, int(tokens.item()))
-    measured = measure_owned_state(model, optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    return measured
 
 
 # ----------------------------------------------------------------------------- extracting
@@ -306,14 +278,29 @@ def collect_run(run_dir: str | Path, expected_ranks=None, source: str = "auto") 
 
 
 # ----------------------------------------------------------------------------- aggregating
+# pandas, numpy and matplotlib are imported inside the functions that build tables and plots: every
+# training rank imports this module to print its result, and on CPU their pages would count in the
+# rank's measured peak RSS.
 
-METRICS = ["run", "strategy", "mode", "world_size", "global_batch_size", "steps", "tokens_per_sec",
-           "mean_step_time_sec", "peak_mem_mib_max", "peak_mem_mib_per_rank", "mean_loss", "final_loss",
-           "scaling_efficiency_pct", "comm_time_share_pct"]
+METRICS = ["run", "strategy", "mode", "world_size", "global_batch_size", "steps_averaged", "tokens_per_s",
+           "step_time_s", "speedup", "scaling_efficiency", "comm_time_s", "comm_share", "peak_mem_bytes",
+           "peak_mem_bytes_per_rank", "mean_loss", "final_loss"]
 
 
-def run_metrics(results: Mapping[int, Mapping[str, Any]], skip_steps: int | None = None) -> dict[str, Any]:
-    """One run's row from its ranks' records (all ranks must be of the same run)."""
+def _rank_steps(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A rank record's per-step lists as the step records schema.summarise reads."""
+    n = len(record["steps"])
+    comm = record.get("comm_time_s") or [None] * n
+    nbytes = record.get("comm_bytes") or [None] * n
+    return [{"step": step, "loss": loss, "tokens": tokens, "step_time_s": seconds, "comm_time_s": c, "comm_bytes": b,
+             "peak_mem_bytes": record["peak_mem_bytes"]}
+            for step, loss, tokens, seconds, c, b in zip(record["steps"], record["loss"], record["tokens"],
+                                                         record["step_time_s"], comm, nbytes)]
+
+
+def run_metrics(results: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """One run's row from its ranks' records (all ranks must be of the same run): schema.summarise over
+    the steps every rank logged. speedup and scaling_efficiency need the other runs (aggregate)."""
     if not results:
         raise ValueError("no results to summarise")
     ranks = sorted(results)
@@ -327,51 +314,23 @@ def run_metrics(results: Mapping[int, Mapping[str, Any]], skip_steps: int | None
     world = int(first["world_size"])
     if ranks != list(range(world)):
         raise ValueError(f"run {first.get('run')}: results of ranks {ranks}, expected 0..{world - 1}")
-    skip = first.get("skip_steps", 1) if skip_steps is None else skip_steps
-    # Steps every rank logged (after a resume, ranks other than 0 log only the new segment).
-    by_rank = {r: {step: i for i, step in enumerate(results[r]["steps"])} for r in ranks}
-    common = sorted(set.intersection(*(set(m) for m in by_rank.values())))
-    n = len(common)
-
-    def at(r, key, step):
-        return results[r][key][by_rank[r][step]]
-
-    steps = [{"step": step, "loss": at(ranks[0], "loss", step), "tokens": at(ranks[0], "tokens", step),
-              # the step ends for everyone when the slowest rank is done
-              "step_time_s": max(at(r, "step_time_s", step) for r in ranks),
-              "comm_time_s": (None if any(at(r, "comm_time_s", step) is None for r in ranks)
-                              else sum(at(r, "comm_time_s", step) for r in ranks) / len(ranks))}
-             for step in common]
-    peaks = [results[r]["peak_mem_bytes"] / 2**20 for r in ranks]
-    row = {"run": first.get("run"), "strategy": first["strategy"], "mode": first["mode"], "world_size": world,
-           "global_batch_size": first.get("global_batch_size"), "steps": n, **_summarise(steps, skip),
-           "final_loss": first.get("final_loss"), "peak_mem_mib_max": max(peaks),
-           "peak_mem_mib_per_rank": ";".join(f"{p:.0f}" for p in peaks)}
-    row.setdefault("comm_time_share_pct", float("nan"))
-    return row
+    summary = schema.summarise({r: _rank_steps(results[r]) for r in ranks}, source=f"run {first.get('run')}")
+    return {"run": first.get("run"), "strategy": first["strategy"], "mode": first["mode"],
+            "global_batch_size": first.get("global_batch_size"), **summary}
 
 
-def aggregate(runs: Iterable[Mapping[int, Mapping[str, Any]]], skip_steps: int | None = None):
-    """A DataFrame with one row per run (METRICS columns). scaling_efficiency_pct compares each run
-    with the 1-rank run of the same mode (LoRA or full) when there is one, else it is NaN."""
-    import pandas as pd
+def aggregate(runs: Iterable[Mapping[int, Mapping[str, Any]]]):
+    """A DataFrame with one row per run (METRICS columns). scaling_efficiency compares each run with the
+    1-rank run of the same mode (LoRA or full) when there is one, else it is NaN."""
+    import pandas as pd  # deferred: see the comment above METRICS
 
-    df = pd.DataFrame([run_metrics(r, skip_steps) for r in runs])
-    if df.empty:
-        return pd.DataFrame(columns=METRICS)
-    df["scaling_efficiency_pct"] = float("nan")
-    for mode, group in df.groupby("mode"):
-        base = group[group["world_size"] == 1]
-        if not base.empty:
-            tps1 = float(base["tokens_per_sec"].iloc[0])
-            sel = df["mode"] == mode
-            df.loc[sel, "scaling_efficiency_pct"] = 100 * df.loc[sel, "tokens_per_sec"] / (df.loc[sel, "world_size"] * tps1)
-    return df[METRICS]
+    rows = schema.add_scaling([run_metrics(r) for r in runs], same_setup=("mode",))
+    return pd.DataFrame(rows, columns=METRICS)
 
 
 def losses_by_run(runs: Iterable[Mapping[int, Mapping[str, Any]]]):
     """A DataFrame of the training loss per step (rows) and run (columns), from rank 0's records."""
-    import pandas as pd
+    import pandas as pd  # deferred: see the comment above METRICS
 
     cols = {}
     for results in runs:
@@ -381,13 +340,12 @@ def losses_by_run(runs: Iterable[Mapping[int, Mapping[str, Any]]]):
 
 
 def save_metrics(df, figures_dir: str | Path, provenance: dict, name: str = "strategy_metrics.csv") -> Path:
-    from .provenance import save_table
-
     return save_table(df, Path(figures_dir) / name, provenance)
 
 
-PLOTS = {"tokens_per_sec": "strategy_tokens_per_sec.png", "mean_step_time_sec": "strategy_step_time.png",
-         "peak_mem": "strategy_peak_memory.png", "scaling_efficiency_pct": "strategy_scaling_efficiency.png"}
+# file names kept from the seed's benchmark framework
+PLOTS = {"tokens_per_s": "strategy_tokens_per_sec.png", "step_time_s": "strategy_step_time.png",
+         "peak_mem_bytes_per_rank": "strategy_peak_memory.png", "scaling_efficiency": "strategy_scaling_efficiency.png"}
 
 
 def _label(row) -> str:
@@ -396,25 +354,23 @@ def _label(row) -> str:
 
 def save_plots(df, figures_dir: str | Path, provenance: dict) -> list[Path]:
     """The seed's four plots, one bar per run, grouped by mode (LoRA / full)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from .provenance import save_figure
+    import matplotlib.pyplot as plt  # deferred: see the comment above METRICS
+    import numpy as np  # deferred: see the comment above METRICS
 
     figures_dir = Path(figures_dir)
     modes = list(dict.fromkeys(df["mode"]))
     out = []
-    specs = [("tokens_per_sec", "tokens/s (all ranks)", "throughput"),
-             ("mean_step_time_sec", "seconds per optimizer step", "step time"),
-             ("peak_mem", "peak memory per rank (MiB)", "peak memory per rank"),
-             ("scaling_efficiency_pct", "% of linear scaling vs 1 rank", "scaling efficiency")]
+    specs = [("tokens_per_s", "tokens/s (all ranks)", "throughput"),
+             ("step_time_s", "seconds per optimizer step (slowest rank)", "step time"),
+             ("peak_mem_bytes_per_rank", "peak memory per rank (MiB)", "peak memory per rank"),
+             ("scaling_efficiency", "fraction of linear scaling vs 1 rank", "scaling efficiency")]
     for key, ylabel, title in specs:
         fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.3), squeeze=False)
         for ax, mode in zip(axes[0], modes):
             sub = df[df["mode"] == mode].reset_index(drop=True)
             x = np.arange(len(sub))
-            if key == "peak_mem":
-                per_rank = [[float(v) for v in str(s).split(";")] for s in sub["peak_mem_mib_per_rank"]]
+            if key == "peak_mem_bytes_per_rank":
+                per_rank = [[b / 2**20 for b in schema.parse_per_rank(s)] for s in sub[key]]
                 width = 0.8 / max(len(p) for p in per_rank)
                 for r in range(max(len(p) for p in per_rank)):
                     ax.bar(x + (r - 0.5) * width, [p[r] if r < len(p) else 0 for p in per_rank], width,
@@ -426,8 +382,8 @@ def save_plots(df, figures_dir: str | Path, provenance: dict) -> list[Path]:
                 for xi, v in zip(x, vals):
                     text = "n/a" if np.isnan(v) else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}")
                     ax.text(xi, 0 if np.isnan(v) else v, text, ha="center", va="bottom", fontsize=7)
-                if key == "scaling_efficiency_pct":
-                    ax.axhline(100, color="0.6", ls="--", lw=1)
+                if key == "scaling_efficiency":
+                    ax.axhline(1.0, color="0.6", ls="--", lw=1)
             ax.set_xticks(x, [_label(r) for _, r in sub.iterrows()], fontsize=7)
             ax.set_title(f"{title}: {mode}", fontsize=9)
             ax.set_ylabel(ylabel, fontsize=8)
@@ -441,38 +397,34 @@ def _md_table(df, floatfmt: str = ".4g") -> str:
     return df.to_markdown(index=False, floatfmt=floatfmt)
 
 
+REPORT_COLUMNS = ["strategy", "world_size", "tokens_per_s", "step_time_s", "scaling_efficiency", "comm_share",
+                  "peak_mem_bytes", "mean_loss"]
+
+
 def write_report(df, figures_dir: str | Path, provenance: dict, *, title: str = "Strategy benchmark",
                  sections: Mapping[str, Any] | None = None, notes: Iterable[str] = (),
                  name: str = "BENCHMARK_REPORT.md") -> Path:
     """figures/BENCHMARK_REPORT.md: the metrics per mode, peak memory per rank, extra `sections`
-    (title -> DataFrame or Markdown text), the plots' file names and the provenance. Headings are
-    level 4 so that the report nests under the book's results page, which includes it."""
-    from .provenance import stamp_text, write_sidecar
-
+    (title -> DataFrame or Markdown text), the plots' file names, the columns' definitions (from the
+    schema) and the provenance. Headings are level 4 so that the report nests under the book's results
+    page, which includes it."""
     figures_dir = Path(figures_dir)
     lines = [f"**{title}**", "", f"_Provenance: {stamp_text(provenance)}_", "",
-             "Generated by `distlab.collect.write_report` from the result JSON every rank printed between "
+             "Generated by `distlab.results.collect.write_report` from the result JSON every rank printed between "
              "`DISTLAB_RESULT_START`/`END` markers in its log.", ""]
-    cols = ["strategy", "world_size", "tokens_per_sec", "mean_step_time_sec", "peak_mem_mib_max", "mean_loss",
-            "scaling_efficiency_pct", "comm_time_share_pct"]
     for mode in dict.fromkeys(df["mode"]):
         sub = df[df["mode"] == mode]
         lines += [f"#### {'LoRA' if mode == 'lora' else 'Full fine-tuning'}: metrics", "",
-                  _md_table(sub[cols]), ""]
-    lines += ["#### Peak memory per rank (MiB)", "", _md_table(df[["run", "peak_mem_mib_per_rank"]]), ""]
+                  _md_table(sub[REPORT_COLUMNS]), ""]
+    lines += ["#### Peak memory per rank (bytes)", "", _md_table(df[["run", "peak_mem_bytes_per_rank"]]), ""]
     for heading, content in (sections or {}).items():
         text = content if isinstance(content, str) else _md_table(content)
         lines += [f"#### {heading}", "", text, ""]
     lines += ["#### Plots", "", ", ".join(f"`{p}`" for p in PLOTS.values()) + " (next to this report).", ""]
-    lines += ["#### Definitions", "",
-              "- tokens_per_sec: real tokens of the global batch per second, all ranks together (steady state).",
-              "- mean_step_time_sec: mean of the slowest rank's time per optimizer step.",
-              "- peak_mem: per rank; CUDA allocator peak on GPUs, peak RSS of the process on CPU (which includes "
-              "the Python runtime and libraries).",
-              "- scaling_efficiency_pct: tokens/s over (ranks x tokens/s of the 1-rank run of the same mode).",
-              "- comm_time_share_pct: time spent inside collectives, each waited for as issued, over step time.", ""]
-    for note in notes:
-        lines += [f"- {note}"]
+    lines += ["#### Definitions", "", f"Steady state: every step after the first {schema.WARMUP_STEPS} "
+              "(warm-up) steps of each run.", ""]
+    lines += [f"- {col}: {schema.COLUMNS[col]}." for col in REPORT_COLUMNS[2:] + ["peak_mem_bytes_per_rank"]]
+    lines += [""] + [f"- {note}" for note in notes]
     path = figures_dir / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines).rstrip() + "\n")
@@ -488,12 +440,9 @@ STATE_PARTS = ("weights", "adapter_weights", "gradients", "optimizer_state")
 def state_vs_plan(runs: Iterable[Mapping[int, Mapping[str, Any]]], config, *, dtype: str | None = None,
                   lora_targets=None):
     """One row per run, rank and component: the bytes the rank measured it owns (record
-    "state_bytes", from runs with measure_state) next to distlab.memory.plan_memory's prediction
+    "state_bytes", from runs with measure_state) next to distlab.planning.plan.plan_memory's prediction
     for that strategy, world size and rank, in MiB, with their ratio."""
-    import pandas as pd
-
-    from .config import LORA_TARGETS
-    from .memory import plan_memory
+    import pandas as pd  # deferred: see the comment above METRICS
 
     rows = []
     for results in runs:
@@ -515,7 +464,7 @@ def state_vs_plan(runs: Iterable[Mapping[int, Mapping[str, Any]]], config, *, dt
 def loss_agreement(runs: Iterable[Mapping[int, Mapping[str, Any]]], reference: str = "ddp"):
     """Per run: the largest relative difference of its loss curve from the reference strategy's run
     of the same mode (rank 0's records; the loss is all-reduced, the same on every rank)."""
-    import pandas as pd
+    import pandas as pd  # deferred: see the comment above METRICS
 
     recs = [r[min(r)] for r in runs]
     refs = {rec["mode"]: rec for rec in recs if rec["strategy"] == reference}

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+import psutil
+
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)" ... "exitcode  : -9 (pid: 123)"
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
@@ -71,22 +73,18 @@ class RunFailed(RuntimeError):
         super().__init__("\n".join(lines))
 
 
-def _descendants(pid: int) -> list:
+def _descendants(pid: int) -> list[psutil.Process]:
     try:
-        import psutil
-
         return psutil.Process(pid).children(recursive=True)
-    except Exception:  # psutil missing or the leader already gone
+    except psutil.Error:  # the leader is already gone (or not ours to inspect)
         return []
 
 
 def _running(p) -> bool:
     """Alive and not a zombie (a dead process waiting to be reaped has nothing left to kill)."""
     try:
-        import psutil
-
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except Exception:  # psutil.NoSuchProcess and friends
+    except psutil.Error:  # psutil.NoSuchProcess and friends
         return False
 
 
@@ -130,7 +128,7 @@ def kill_group(pgid: int, grace_s: float = KILL_GRACE_S, also: Sequence = ()) ->
         try:
             if _running(p):
                 p.kill()
-        except Exception:
+        except psutil.Error:  # gone between the check and the kill
             pass
     # SIGKILL is delivered asynchronously: wait (briefly) until the processes are really gone, so
     # that nothing is left running when this returns.
@@ -153,10 +151,6 @@ def _alive_group(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    try:
-        import psutil
-    except ImportError:
-        return True
     for p in psutil.process_iter():
         try:
             if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:

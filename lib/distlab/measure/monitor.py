@@ -22,6 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import pandas as pd
+import psutil
+
+from distlab.publish.provenance import save_figure
+
 FIELDS = ["t_s", "source", "id", "label", "util_pct", "mem_mib"]
 MAX_ERRORS = 20  # a failing probe repeats every tick; the first few say everything
 
@@ -102,8 +107,6 @@ class ProcessTree:
         self._labels: dict[tuple[int, float], str] = {}
 
     def processes(self) -> list:
-        import psutil
-
         found = {}
         for pid in self.roots:
             try:
@@ -115,8 +118,6 @@ class ProcessTree:
         return list(found.values())
 
     def sample(self) -> list[dict[str, Any]]:
-        import psutil
-
         rows = []
         for proc in self.processes():
             try:
@@ -143,7 +144,6 @@ class ProcessTree:
 
 def _role(proc) -> str:
     """'rank N' for a torchrun rank (from its RANK variable), else a short program name."""
-    import psutil
 
     if proc.pid == os.getpid():
         return "this process"
@@ -252,10 +252,8 @@ class UtilizationSampler:
 def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
                      title: str | None = None):
     """Utilisation (top) and memory (bottom) over time, one line per GPU or process."""
-    import pandas as pd
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # deferred: plotting is only needed when drawing
 
-    from .provenance import save_figure
 
     df = pd.read_csv(csv_path, dtype={"id": str})
     fig = Figure(figsize=(7, 5))

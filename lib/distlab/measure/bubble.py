@@ -28,8 +28,21 @@ a receive before the sender posted is waiting (that is the bubble), not communic
 
 from __future__ import annotations
 
+import json
+import shutil
+import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import pandas as pd
+import torch
+
+from distlab.launch.jobs import launch_sweep
+from distlab.metrics import read_log
+from distlab.models import TINY_QWEN2, load_tokenizer, qwen2_config
+from distlab.paths import MODEL_CACHE, RUNS_DIR
+from distlab.results import schema
 
 COMPUTE_KINDS = ("F", "B")
 
@@ -132,8 +145,6 @@ def aggregate(summaries: Sequence[dict], statistic: str = "median") -> dict[str,
     """Median (default) or mean over steps of step_summary() results; leave warm-up steps out
     first. The median keeps one step disturbed by another process on a shared machine from
     moving the result; the notebook shows every step too."""
-    import statistics
-
     if not summaries:
         raise ValueError("no steps to aggregate")
     f = statistics.median if statistic == "median" else statistics.fmean
@@ -148,8 +159,6 @@ def aggregate(summaries: Sequence[dict], statistic: str = "median") -> dict[str,
 
 def read_timeline(run_dir) -> list[dict]:
     """The per-step timelines a measured pipeline run wrote (<output_dir>/pipeline_timeline.jsonl)."""
-    import json
-    from pathlib import Path
 
     path = Path(run_dir) / "pipeline_timeline.jsonl"
     if not path.exists():
@@ -167,19 +176,14 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
     far more than (p-1)/(m+p-1) predicts. With a 4096-wide FFN the last stage is measured ~8% slower
     per micro-batch on a 2-core CPU (two ranks, one thread each); the bubble then mostly measures the
     schedule, and the remaining imbalance shows as the lighter stage idling a few hundredths more."""
-    import json
-    import shutil
 
-    from .models import TINY_QWEN2, load_tokenizer, qwen2_config
-    from .paths import MODEL_CACHE
 
     folder = MODEL_CACHE / f"pipeline-bench-ffn{intermediate_size}-l{layers}"
     stamp = folder / "distlab_build.json"
     spec = {"intermediate_size": intermediate_size, "num_hidden_layers": layers, "recipe": 1}
     if stamp.exists() and json.loads(stamp.read_text()) == spec:
         return str(folder)
-    import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM  # deferred: transformers is slow to import
 
     tokenizer = load_tokenizer(None)
     shape = {**TINY_QWEN2, "intermediate_size": intermediate_size, "num_hidden_layers": layers}
@@ -195,10 +199,11 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
     return str(folder)
 
 
-def measure_run(run_dir, skip_steps: int = 1) -> dict[str, Any]:
-    """Steady-state bubble, per-stage idle and communication of one measured run."""
+def measure_run(run_dir) -> dict[str, Any]:
+    """Steady-state bubble, per-stage idle and communication of one measured run (the schema's
+    warm-up steps left out)."""
     records = read_timeline(run_dir)
-    steady = [r for r in records if r["step"] > skip_steps] or records[-1:]
+    steady = [r for r in records if r["step"] > schema.WARMUP_STEPS] or records[-1:]
     summaries = [step_summary(r["events"]) for r in steady]
     agg = aggregate(summaries)
     first = steady[0]
@@ -210,16 +215,12 @@ def measure_run(run_dir, skip_steps: int = 1) -> dict[str, Any]:
 
 def bubble_sweep(microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("gpipe", "1f1b"),
                  model: str | None = None, micro_batch_size: int = 2, seq_len: int = 256, steps: int = 4,
-                 skip_steps: int = 1, stages: int = 2, runs_dir=None, prefix: str = "bubble",
+                 stages: int = 2, runs_dir=None, prefix: str = "bubble",
                  extra: dict | None = None, echo: bool = False, timeout_s: int = 900):
     """One measured pipeline run per (schedule, m) through the training loop, all in one launch
     (jobs.launch_sweep); a table with the measured bubble (mean idle fraction over stages),
     per-stage idle, the theory and |diff|."""
-    import pandas as pd
 
-    from .jobs import launch_sweep
-    from .metrics import read_log
-    from .paths import RUNS_DIR
 
     base = {"strategy": "pipeline", "pipeline_stages": stages, "model": model, "micro_batch_size": micro_batch_size,
             "seq_len": seq_len, "max_steps": steps, "warmup_steps": 1, "measure_comm": True, "eval_file": None,
@@ -231,60 +232,48 @@ def bubble_sweep(microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence
     rows = []
     for name, job in jobs.items():
         schedule, m = variants[name]["pipeline_schedule"], variants[name]["grad_accum"]
-        agg = measure_run(job.output_dir, skip_steps)
+        agg = measure_run(job.output_dir)
         row = {"schedule": schedule, "schedule_run": agg["schedule"], "m": m, "p": stages,
                "measured": agg["bubble_fraction"], "theory": agg["theory"], "abs_diff": abs(agg["diff"])}
         for s, idle in enumerate(agg["stage_idle"]):
             row[f"idle_stage{s}"] = idle
-        row.update(step_ms=agg["pipeline_span_s"] * 1e3, comm_ms=agg["comm_time_s"] * 1e3,
-                   p2p_blocked_ms=agg["p2p_blocked_s"] * 1e3)
-        logged = read_log(job.log)  # activation peaks: the most any steady-state step held, per stage
-        steady = logged[skip_steps:] or logged[-1:]
+        row.update(pipeline_span_s=agg["pipeline_span_s"], comm_time_s=agg["comm_time_s"],
+                   p2p_blocked_s=agg["p2p_blocked_s"])
+        steady = schema.steady(read_log(job.log))  # activation peaks: the most any steady step held, per stage
         for s in range(len(steady[-1].get("stage_activation_peak_bytes", []))):
-            row[f"act_peak_stage{s}(MiB)"] = max(r["stage_activation_peak_bytes"][s] for r in steady) / 2**20
+            row[f"activation_peak_bytes_stage{s}"] = max(r["stage_activation_peak_bytes"][s] for r in steady)
         row["run_dir"] = str(job.output_dir)
         rows.append(row)
         if echo:
             idle = " ".join(f"{row[f'idle_stage{s}']:.3f}" for s in range(stages))
             print(f"{schedule:5s} m={m}: bubble measured {row['measured']:.3f} (stages {idle}), "
-                  f"theory {row['theory']:.3f}, step {row['step_ms']:.0f} ms", flush=True)
+                  f"theory {row['theory']:.3f}, span {row['pipeline_span_s'] * 1e3:.0f} ms", flush=True)
     if echo:
         print(f"{len(jobs)} runs in one launch: {next(iter(jobs.values())).result.elapsed_s:.0f} s", flush=True)
     return pd.DataFrame(rows)
 
 
-def rank_peaks(job) -> list[float]:
-    """Peak memory (MiB) of every rank over a run, from each rank's own step log."""
-    from .metrics import read_log
-
-    logs = [job.log] + list(job.rank_logs)
-    return [max(r["peak_mem_bytes"] for r in read_log(p)) / 2**20 for p in logs]
-
-
 def table_row(job, *, strategy: str, micro: int, ga: int, ckpt: bool, dtype: str, seq_len: int,
-              data_parallel: int, skip_steps: int = 1) -> dict[str, Any]:
-    """One row of the DeepSpeed-PP seed's table from a finished run (steady-state steps only).
+              data_parallel: int) -> dict[str, Any]:
+    """One row of the DeepSpeed-PP seed's table from a finished run: the seed's setup columns (chapter 04's
+    extras in distlab.results.schema.CHAPTER_COLUMNS), then the schema's steady-state summary.
 
     T_eff = S x B_micro x GA x N with N the data-parallel size (a pure pipeline has N = 1: both
-    stages work on the same tokens). toks/s counts real (non-padding) tokens of all ranks."""
-    from .report import steady_state, steps_frame
-
-    df = steady_state(steps_frame(job.log), skip_steps)
+    stages work on the same tokens). tokens_per_s counts real (non-padding) tokens of all ranks."""
+    summary = schema.summarise_logs(job.log)
     row = {"strategy": strategy, "micro_bsz": micro, "GA": ga, "ckpt": "T" if ckpt else "F", "dtype": dtype,
-           "N": data_parallel, "T_eff": seq_len * micro * ga * data_parallel,
-           "step_ms": df["step_time_s"].mean() * 1e3,
-           "comm_ms": df["comm_time_s"].mean() * 1e3 if "comm_time_s" in df else float("nan"),
-           "toks/s": df["tokens"].sum() / df["step_time_s"].sum()}
-    for r, peak in enumerate(rank_peaks(job)):
-        row[f"peak_mem_r{r}(MiB)"] = peak
-    if "bubble_fraction" in df:
-        row["bubble"] = df["bubble_fraction"].median()
+           "N": data_parallel, "T_eff": seq_len * micro * ga * data_parallel}
+    row.update({k: summary[k] for k in ("world_size", "steps_averaged", "step_time_s", "tokens_per_s", "comm_time_s",
+                                        "comm_share", "peak_mem_bytes", "peak_mem_bytes_per_rank")})
+    steady = schema.steady(read_log(job.log))
+    if "bubble_fraction" in steady[0]:
+        row["bubble_fraction"] = statistics.median(s["bubble_fraction"] for s in steady)
     return row
 
 
-def typical_step(records: Sequence[dict], skip_steps: int = 1) -> dict:
+def typical_step(records: Sequence[dict]) -> dict:
     """The steady-state step whose span is the median one (a representative step to draw)."""
-    steady = [r for r in records if r["step"] > skip_steps] or list(records)
+    steady = [r for r in records if r["step"] > schema.WARMUP_STEPS] or list(records)
     spans = sorted(steady, key=lambda r: stage_idle(r["events"])["span_s"])
     return spans[(len(spans) - 1) // 2]
 
@@ -292,7 +281,7 @@ def typical_step(records: Sequence[dict], skip_steps: int = 1) -> dict:
 def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3.4)):
     """Gantt charts side by side, one per labelled run folder, on a common time axis: the given
     step, or each run's typical step (median span). Returns the figure."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: plotting is only needed when drawing
 
     fig, axes = plt.subplots(1, len(runs), figsize=figsize, sharex=True)
     axes = [axes] if len(runs) == 1 else list(axes)
@@ -300,8 +289,9 @@ def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3
         records = read_timeline(run_dir)
         rec = typical_step(records) if step is None else next(r for r in records if r["step"] == step)
         s = stage_idle(rec["events"])
+        theory = theoretical_bubble(rec["stages"], rec["microbatches"])
         plot_timeline(ax, rec["events"], f"{label}: m={rec['microbatches']}, step {rec['step']}, bubble "
-                                         f"{s['bubble']:.2f} (theory {theoretical_bubble(rec['stages'], rec['microbatches']):.2f})")
+                                         f"{s['bubble']:.2f} (theory {theory:.2f})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0", "#DD8452")]
     axes[-1].legend(handles, ["forward", "backward"], fontsize=7, loc="lower right")
     fig.tight_layout(rect=(0, 0.04, 1, 1))  # room for the provenance line

@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import pandas as pd
 import torch
+from matplotlib.figure import Figure
 
-from . import device as devmod
-from . import provenance as prov
-from . import runner
-from .envcheck import torchrun_args, usable_cores, worker_env
-from .paths import FIGURES_DIR, RUNS_DIR
+from distlab import device as devmod
+from distlab.launch.torchrun import torchrun_flags
+from distlab.measure.envcheck import run_worker, usable_cores
+from distlab.paths import FIGURES_DIR, RUNS_DIR
+from distlab.publish import provenance as prov
 
 DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)  # 4 KiB .. 64 MiB, as a DDP bucket grows
 LIMITS_FILE = "device_limits.csv"
@@ -133,26 +135,21 @@ def memory_rows(device: str = "auto", nbytes: int | None = None) -> list[dict[st
 def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZES_KIB, timeout_s: float = 300,
                         device: str = "auto", seconds_per_size: float = 0.25, max_iters: int = 1000,
                         out_json: str | Path | None = None, env: Mapping[str, str] | None = None,
-                        echo: bool | Callable[[str], None] = True):
+                        echo: bool | Callable[[str], None] = True) -> pd.DataFrame:
     """Launch distlab.workers.allreduce_bench on `nproc` local ranks; one row per message size.
 
     gloo with one thread per rank on CPU, nccl when there is a GPU per rank (allreduce_backend).
     Columns: size_bytes, count, iters, time_us, algbw_GBps, busbw_GBps, backend, world_size."""
-    import pandas as pd
-
     backend = allreduce_backend(device, nproc)
     if echo and backend == "gloo" and resolve_device(device) == "cuda":
         (echo if callable(echo) else print)(
             f"{torch.cuda.device_count()} GPU(s) for {nproc} ranks: NCCL needs one GPU per rank, "
             "so this measures CPU ranks with gloo")
     out_json = Path(out_json) if out_json else RUNS_DIR / "envcheck" / "allreduce.json"
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.unlink(missing_ok=True)  # a stale file must not pass for this run's result
-    cmd = runner.python_module_cmd(
-        "torch.distributed.run", *torchrun_args(nproc), "-m", "distlab.workers.allreduce_bench",
-        "--out", str(out_json), "--backend", backend, "--sizes-kib", ",".join(str(s) for s in sizes_kib),
-        "--seconds-per-size", str(seconds_per_size), "--max-iters", str(max_iters))
-    runner.run(cmd, timeout_s=timeout_s, env=worker_env(env), echo=echo, log_path=out_json.with_suffix(".log"))
+    worker_args = ["--backend", backend, "--sizes-kib", ",".join(str(s) for s in sizes_kib),
+                   "--seconds-per-size", str(seconds_per_size), "--max-iters", str(max_iters)]
+    run_worker("distlab.workers.allreduce_bench", out_json, worker_args, torchrun_flags(nproc),
+               timeout_s=timeout_s, env=env, echo=echo)
     result = json.loads(out_json.read_text())
     df = pd.DataFrame(result["results"])
     df["backend"] = result["backend"]
@@ -161,10 +158,12 @@ def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZ
 
 
 def allreduce_backend(device: str, nproc: int) -> str:
-    """nccl when every rank can have its own GPU, else gloo on CPU (a 1-GPU node still gets a number)."""
-    if resolve_device(device) == "cuda" and torch.cuda.device_count() >= nproc:
-        return "nccl"
-    return "gloo"
+    """The device's backend (distlab.device.backend_for), except that NCCL needs a GPU per rank:
+    with fewer GPUs than ranks the ranks run on CPU with gloo (a 1-GPU node still gets a number)."""
+    backend = devmod.backend_for(resolve_device(device))
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        return "gloo"
+    return backend
 
 
 def allreduce_rows(sweep) -> list[dict[str, Any]]:
@@ -195,8 +194,6 @@ def _size_text(nbytes: float) -> str:
 
 def plot_allreduce_busbw(sweep, out_png: str | Path, provenance: Mapping[str, Any]):
     """busbw and algbw against message size (log scale), saved with its provenance."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.5, 3.8))
     ax = fig.add_subplot()
     backend, n = sweep["backend"].iloc[0], int(sweep["world_size"].iloc[0])
@@ -225,8 +222,6 @@ def measure_device_limits(device: str = "auto", nproc: int = 2,
                           matmul_seconds: float = 1.0, timeout_s: float = 300, allreduce=None,
                           memory_bytes: int | None = None):
     """All limits in one table. Pass `allreduce` (a run_allreduce_bench result) to reuse a sweep."""
-    import pandas as pd
-
     if allreduce is None:
         allreduce = run_allreduce_bench(nproc, allreduce_sizes_kib, timeout_s, device)
     rows = matmul_rows(device, matmul_seconds) + memory_rows(device, memory_bytes) + allreduce_rows(allreduce)
@@ -245,9 +240,7 @@ def save_device_limits(df, figures_dir: str | Path | None = None,
     return prov.save_table(df, limits_path(figures_dir), dict(provenance))
 
 
-def load_device_limits(figures_dir: str | Path | None = None):
-    import pandas as pd
-
+def load_device_limits(figures_dir: str | Path | None = None) -> pd.DataFrame:
     path = limits_path(figures_dir)
     if not path.exists():
         raise FileNotFoundError(

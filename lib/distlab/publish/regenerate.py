@@ -1,8 +1,8 @@
 """Re-run every tutorial notebook with papermill, in order, and collect the executed copies.
 
-    python -m distlab.regenerate [--profile cpu|gpu|quick] [--only NN ...]
+    python -m distlab.publish.regenerate [--profile cpu|gpu|quick] [--only NN ...]
 
-Each `notebooks/NN_*.ipynb` runs in its own subprocess through `distlab.runner.run` (own process
+Each `notebooks/NN_*.ipynb` runs in its own subprocess through `distlab.launch.runner.run` (own process
 session, hard timeout, killed as a group), with parameters from `notebooks/profiles.yaml`:
 
     cpu:                      # the default profile; notebook defaults already target a 2-core CPU
@@ -16,9 +16,9 @@ at `build/regenerate/failed/` and the command ends non-zero naming the notebook 
 `build/regenerate/summary.json` records every notebook's status, time and failing cell, and
 `build/regenerate/logs/` the full papermill output (cell outputs included).
 
-Papermill runs under a small "subreaper" shim (`python -m distlab.regenerate --reap -- CMD`): the
+Papermill runs under a small "subreaper" shim (`python -m distlab.publish.regenerate --reap -- CMD`): the
 Jupyter kernel starts in a session of its own, and a job that a notebook launches through
-`distlab.runner` gets yet another one, so when the kernel exits such a job would be re-parented to
+`distlab.launch.runner` gets yet another one, so when the kernel exits such a job would be re-parented to
 init and outlive the run. Marked as child subreaper, the shim inherits these orphans and kills them
 when papermill ends (or when the runner's timeout terminates it).
 """
@@ -41,7 +41,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
-from . import paths, runner
+import nbformat
+import psutil
+import yaml
+
+from distlab import paths
+from distlab.launch import runner
+from distlab.publish.provenance import git_commit
 
 NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
 DEFAULT_PROFILE = "cpu"
@@ -131,7 +137,6 @@ def _selects(key: str, nb: Path) -> bool:
 
 def load_profiles(path: str | Path | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Read a profiles file: {profile: {"*" | "NN" | stem: {param: value}}}. A missing file is {}."""
-    import yaml
 
     if path is None or not Path(path).exists():
         return {}
@@ -175,8 +180,6 @@ def find_failing_cell(executed: str | Path) -> CellFailure | None:
     papermill marks a cell's metadata.papermill.status ("running" until it ends, "failed" on an
     exception) and records the exception as an "error" output; it also inserts its own cells (the
     injected parameters, two error banners), which are skipped so the index is the source's."""
-    import nbformat
-
     try:
         nb = nbformat.read(str(executed), as_version=4)
     except Exception:  # missing, or cut off mid-write by a kill
@@ -229,7 +232,6 @@ def _become_subreaper() -> bool:
 def kill_descendants(grace_s: float = 3.0) -> int:
     """SIGTERM every descendant of this process, SIGKILL what is left after `grace_s`, and reap
     them (so none stays behind as a zombie). Returns how many were found."""
-    import psutil
 
     me = psutil.Process()
     total = 0
@@ -263,8 +265,6 @@ def _wait_gone(procs: list, timeout_s: float) -> list:
 
 
 def _alive(p) -> bool:
-    import psutil
-
     try:
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -306,7 +306,7 @@ def reap_and_run(cmd: Sequence[str]) -> int:
             signal.signal(sig, signal.SIG_IGN)
         left = kill_descendants()
         if left:
-            print(f"[distlab.regenerate] killed {left} leftover process(es) "
+            print(f"[distlab.publish.regenerate] killed {left} leftover process(es) "
                   "(started by the notebook, outliving its kernel)", flush=True)
     return code if code >= 0 else 128 - code
 
@@ -376,8 +376,6 @@ class _Progress:
 def source_cell_namer(notebook: str | Path, parameters: dict[str, Any] | None) -> Callable[[int], str]:
     """Map a cell index of the executed copy to a name in the source notebook's numbering
     (papermill inserts its parameters cell after the one tagged "parameters", or first)."""
-    import nbformat
-
     try:
         cells = nbformat.read(str(notebook), as_version=4).cells
     except Exception:
@@ -423,7 +421,6 @@ def run_notebook(
 ) -> tuple[runner.RunResult, CellFailure | None]:
     """Execute one notebook with papermill in a killable subprocess; return the run and, when it
     did not succeed, the failing (or still running) cell parsed from the executed copy."""
-    import yaml
 
     notebook, executed = Path(notebook), Path(executed)
     executed.parent.mkdir(parents=True, exist_ok=True)
@@ -433,7 +430,7 @@ def run_notebook(
         params_file = Path(params_dir or executed.parent) / f"{notebook.stem}.params.yaml"
         params_file.parent.mkdir(parents=True, exist_ok=True)
         params_file.write_text(yaml.safe_dump(parameters, sort_keys=True))
-    cmd = [sys.executable, "-m", "distlab.regenerate", "--reap", "--",
+    cmd = [sys.executable, "-m", "distlab.publish.regenerate", "--reap", "--",
            *papermill_cmd(notebook, executed, params_file=params_file,
                           cwd=Path(cwd or notebook.parent), kernel=kernel)]
     result = runner.run(cmd, timeout_s=timeout_s, log_path=log_path, env=env, echo=echo, check=False)
@@ -554,8 +551,6 @@ def regenerate(
 
 
 def write_summary(path: Path, results: list[NotebookResult], **meta: Any) -> Path:
-    from .provenance import git_commit
-
     doc = {
         "profile": meta.get("profile"),
         "started": meta["started"].strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -576,7 +571,7 @@ def write_summary(path: Path, results: list[NotebookResult], **meta: Any) -> Pat
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m distlab.regenerate",
+        prog="python -m distlab.publish.regenerate",
         description="Execute every notebooks/NN_*.ipynb with papermill (in order, each in a killable "
                     "subprocess) and put the executed copies into the book's input.")
     ap.add_argument("--profile", default=os.environ.get("DISTLAB_PROFILE", DEFAULT_PROFILE),

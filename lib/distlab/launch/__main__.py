@@ -1,0 +1,5 @@
+import sys
+
+from distlab.launch.seeds import main
+
+sys.exit(main())

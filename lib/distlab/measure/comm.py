@@ -1,0 +1,120 @@
+"""Communication time and bytes of a training step, measured from outside the strategies.
+
+Two instruments, attached by distlab.measure.meter when a run sets `measure_comm`:
+
+* `CommTimer`, a DDP communication hook (chapter 02). DDP normally launches each gradient
+  bucket's all-reduce asynchronously and overlaps it with the rest of the backward pass; then
+  "communication time" cannot be read off a clock. The hook waits for each all-reduce, so comm
+  and compute are serialised and the measured split is exact (the step gets a little slower; the
+  DDP chapter shows by how much).
+* `CollectiveTimer` (chapter 03), for FSDP2 and DeepSpeed, which issue their all-gathers and
+  reduce-scatters asynchronously and wait for them later. While installed, every collective of
+  `torch.distributed` is waited for as soon as it is issued and timed; the work handle returned is
+  already complete, so its later wait() is free. Both FSDP2 and DeepSpeed look the collectives up
+  on `torch.distributed` at call time, so wrapping them there sees them. `paused()` leaves out the
+  training loop's own bookkeeping all-reduces (token counts, loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+
+from distlab import compat
+
+
+class CommTimer:
+    """A DDP comm hook that all-reduces each gradient bucket synchronously and times it."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.seconds, self.bytes = world_size, 0.0, 0
+
+    def hook(self, state, bucket):
+        buf = bucket.buffer()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        self.seconds += time.perf_counter() - t0
+        self.bytes += buf.numel() * buf.element_size()
+        buf.div_(self.world_size)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def take(self) -> dict[str, float]:
+        out = {"comm_time_s": self.seconds, "comm_bytes": self.bytes}
+        self.seconds, self.bytes = 0.0, 0
+        return out
+
+
+class CollectiveTimer:
+    """Times every torch.distributed collective of this process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.bytes, self.calls = 0.0, 0, 0
+        self._originals: dict[str, object] = {}
+        self._paused = 0
+
+    def install(self) -> CollectiveTimer:
+        for name in compat.collective_names():
+            if name in self._originals or not hasattr(dist, name):  # a legacy name a release dropped
+                continue
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(self._originals[name]))
+        return self
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        self._originals.clear()
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _wrap(self, fn):
+        timer = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if timer._paused:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            work = fn(*args, **kwargs)
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+            timer.seconds += time.perf_counter() - t0
+            timer.calls += 1
+            timer.bytes += payload_bytes(args, kwargs)
+            return work
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = {"comm_time_s": self.seconds, "comm_bytes": self.bytes}
+        self.seconds, self.bytes, self.calls = 0.0, 0, 0
+        return out
+
+
+def payload_bytes(args, kwargs) -> int:
+    """Bytes of the largest tensor argument (the buffer a collective fills or reads)."""
+    best = 0
+
+    def visit(x):
+        nonlocal best
+        if torch.is_tensor(x):
+            best = max(best, x.numel() * x.element_size())
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+
+    for a in list(args) + list(kwargs.values()):
+        visit(a)
+    return best

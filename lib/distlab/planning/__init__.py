@@ -1,0 +1,16 @@
+"""Planning memory before running: the bytes each rank will hold, from a model config alone.
+
+Read in this order:
+
+  shapes   what a model is made of: parameter layout and counts, LoRA adapters,
+           activations per micro-batch, the seed models' published shapes                     ch. 01, 03
+  plan     one planner per strategy (`PLANNERS`, `plan_memory`) and the one-device
+           case (`estimate_training_memory`)                                                  ch. 01, 03
+  advice   communication per step and the LAN-cluster guide's decision tree
+           (`decide` -> `explain`, both in `recommend`)                                        ch. 03
+  memory   the names the chapters use (`from distlab.planning import memory`), with the
+           breakdown tables and figures                                                       ch. 01, 03
+
+What a run really holds is measured by distlab.measure.state (`measure_state`), which this package
+imports and which imports nothing from it.
+"""

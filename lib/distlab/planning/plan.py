@@ -1,0 +1,317 @@
+"""The bytes one rank holds while training, per parallelism strategy, from the model config alone:
+`plan_memory` (chapter 03) and its one-device case `estimate_training_memory` (chapter 01).
+
+Each strategy has one planner function, picked from `PLANNERS` by name; they share the resolved
+inputs (`PlanSetup`: the parameter layout and the bytes per value). The layouts are the ones the
+installed FSDP2 and DeepSpeed really use (per-parameter dim-0 shards; flat, padded partitions with
+fp32 master copies), checked against measured per-rank bytes in tests/test_fsdp_zero.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from distlab.config import LORA_TARGETS
+from distlab.measure.state import MemoryBreakdown
+from distlab.planning.shapes import (
+    ParamSpec,
+    activation_bytes_estimate,
+    layer_index,
+    model_shape,
+    optimizer_groups,
+    parameter_layout,
+)
+from distlab.strategies import PIPELINE_STRATEGIES, STRATEGY_NAMES
+from distlab.strategies.split import split_layers
+
+# Optimizer state per trained weight: AdamW's two fp32 moments (8 bytes), none for SGD, 8-bit AdamW's 2.
+MOMENT_BYTES = {"adamw": 8, "sgd": 0, "adamw8bit": 2}
+FP32_BYTES = 4  # an fp32 value: DeepSpeed's master copy of the trained weights, fp32 gradient buffers
+ZERO_ALIGNMENT = 2  # ZeRO-1/2 pad each flat group to a multiple of 2 x world (DeepSpeed's nccl_start_alignment_factor)
+ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
+
+# dtype -> (bytes per stored weight, bytes per activation value). "bf16-autocast" keeps fp32 weights
+# and computes in bf16 (torch autocast); DeepSpeed's bf16 mode instead stores the model in bf16 and
+# keeps an fp32 master copy of the trained weights in its optimizer.
+DTYPE_BYTES = {"fp32": (4, 4), "bf16-autocast": (4, 2), "fp16-autocast": (4, 2), "bf16": (2, 2), "fp16": (2, 2),
+               "int8": (1, 2), "4bit": (0.5, 2), "nf4": (0.5, 2)}
+
+
+def moment_bytes(optimizer: str) -> float:
+    """Optimizer state bytes per trained weight (the one place the planner knows them)."""
+    if optimizer not in MOMENT_BYTES:
+        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(MOMENT_BYTES)}")
+    return MOMENT_BYTES[optimizer]
+
+
+def zero_bucket_elements(n_trained: int) -> int:
+    """Elements per DeepSpeed reduce/all-gather bucket in distlab's config: DeepSpeed's default 5e8,
+    or the trained weight count when that is smaller (a bucket never holds more than that, and
+    DeepSpeed allocates 5e8 elements, 2 GB in fp32, even for a tiny model). Even, as it requires."""
+    n = int(min(5e8, max(int(n_trained), 2)))
+    return n + n % 2
+
+
+def _chunk(n: int, parts: int) -> int:
+    return -(-n // parts)
+
+
+def _fsdp_shard(p: ParamSpec, world: int) -> int:
+    """FSDP2 shards every parameter on dim 0 into `world` equal chunks, padding the last."""
+    return _chunk(p.shape[0], world) * math.prod(p.shape[1:])
+
+
+def _zero2_partitions(groups: list[list[ParamSpec]], world: int, rank: int) -> tuple[int, int, int]:
+    """(flat elements, partition elements, elements of the parameters touching this rank's partition)
+    summed over the optimizer groups, following DeepSpeed ZeRO-1/2: each group is flattened, padded
+    to a multiple of 2 x world, and cut into `world` equal partitions. A rank keeps the gradients of
+    every parameter that overlaps its partition *whole* (stage_1_and_2.py, grads_in_partition)."""
+    flat = part = touching = 0
+    align = ZERO_ALIGNMENT * world
+    for group in groups:
+        n = sum(p.numel for p in group)
+        padded = _chunk(n, align) * align
+        size = padded // world
+        start, end = rank * size, (rank + 1) * size
+        offset = 0
+        for p in group:
+            if start <= offset < end or offset < start < offset + p.numel:
+                touching += p.numel
+            offset += p.numel
+        flat, part = flat + padded, part + size
+    return flat, part, touching
+
+
+@dataclass
+class PlanSetup:
+    """The inputs every strategy's planner shares, resolved once by plan_memory."""
+
+    config: Any
+    layout: list[ParamSpec]
+    world_size: int
+    weight_bytes: float  # per stored base weight
+    trainable_bytes: float  # per trained weight and per gradient
+    activation_bytes: float  # per activation value
+    moment_bytes: float  # optimizer state per trained weight
+    activations: float  # one micro-batch through the whole model
+    activation_args: tuple  # what activation_bytes_estimate took after bytes_per_value (to re-estimate parts)
+    deepspeed_bf16: bool  # DeepSpeed's bf16 mode: bf16 model, fp32 master copy
+    offload_optimizer: bool
+    pipeline_stages: int
+    stage_layers: Sequence[int] | None
+    grad_accum: int
+    zero3_persistence_threshold: int
+
+    def __post_init__(self) -> None:
+        self.trained = [p for p in self.layout if p.trainable]
+        self.frozen = [p for p in self.layout if not p.trainable]
+        self.lora = bool(self.frozen)  # with LoRA the whole base model is frozen
+
+    def split(self, frozen_bytes: float, trained_bytes: float) -> tuple[float, float]:
+        """(weights, adapter_weights): LoRA adapters are reported apart from the base weights."""
+        return (frozen_bytes, trained_bytes) if self.lora else (frozen_bytes + trained_bytes, 0.0)
+
+
+# ----------------------------------------------------------------------------- one planner per strategy
+
+def plan_single(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """Everything on one device: weights, gradients of the trained ones, their optimizer state."""
+    n_trained = sum(p.numel for p in s.trained)
+    w, a = s.split(sum(p.numel for p in s.frozen) * s.weight_bytes, n_trained * s.trainable_bytes)
+    return MemoryBreakdown(w, a, n_trained * s.trainable_bytes, n_trained * s.moment_bytes, s.activations)
+
+
+def plan_ddp(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """A whole replica per rank, plus the gradient buckets DDP all-reduces from."""
+    b = plan_single(s, rank)
+    if s.world_size > 1:
+        b.buffers = sum(p.numel for p in s.trained) * s.trainable_bytes
+        b.notes.append("DDP all-reduces gradients from buckets that copy them (gradient_as_bucket_view=False)")
+    return b
+
+
+def plan_fsdp(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """Every tensor cut in `world` dim-0 shards; the root and the layers being gathered as buffers."""
+    world = s.world_size
+    shard_t = sum(_fsdp_shard(p, world) for p in s.trained)
+    w, a = s.split(sum(_fsdp_shard(p, world) for p in s.frozen) * s.weight_bytes, shard_t * s.trainable_bytes)
+    b = MemoryBreakdown(w, a, shard_t * s.trainable_bytes, shard_t * s.moment_bytes, s.activations)
+    layer = [p for p in s.layout if layer_index(p) == 0]
+    root = [p for p in s.layout if layer_index(p) is None]
+    compute_b = min(s.weight_bytes, s.activation_bytes) if s.weight_bytes >= 2 else 2
+    b.buffers = (sum(p.numel for p in root) + 2 * sum(p.numel for p in layer)) * compute_b + \
+        sum(p.numel for p in layer if p.trainable) * FP32_BYTES
+    b.notes.append("buffers (estimate): the root's weights (embedding, LM head) stay gathered through the "
+                   "step, plus the layer being all-gathered and the next one, prefetched")
+    return b
+
+
+def plan_zero2(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """Weights replicated; the flat trained weights cut into partitions, each rank keeping the fp32
+    master copy and moments of its own, and the gradients of the tensors that touch it (whole)."""
+    tb = s.trainable_bytes
+    flat, part, touching = _zero2_partitions(optimizer_groups(s.layout), s.world_size, rank)
+    w, a = s.split(sum(p.numel for p in s.frozen) * s.weight_bytes, flat * tb)
+    grads = touching * tb if (tb == 4 and not s.deepspeed_bf16) else part * FP32_BYTES
+    opt = part * (FP32_BYTES + s.moment_bytes)
+    b = MemoryBreakdown(w, a, grads, 0.0 if s.offload_optimizer else opt, s.activations)
+    b.buffers = zero_bucket_elements(sum(p.numel for p in s.trained)) * tb
+    b.notes.append(f"optimizer state = fp32 master copy + moments of a {part:,}-element partition "
+                   f"({part * (FP32_BYTES + s.moment_bytes) / 2**20:.1f} MiB)"
+                   + (" on the CPU (offload)" if s.offload_optimizer else ""))
+    if grads == touching * tb:
+        b.notes.append("gradients: DeepSpeed keeps whole tensors that straddle a partition boundary")
+    return b
+
+
+def plan_zero3(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """Every tensor partitioned (weights, fp32 gradients, fp32 master copy, moments); tensors under
+    the persistence threshold are also kept whole on every rank."""
+    world, threshold = s.world_size, s.zero3_persistence_threshold
+    held_f = sum(_chunk(p.numel, world) + (p.numel if p.numel <= threshold else 0) for p in s.frozen)
+    held_t = sum(_chunk(p.numel, world) + (p.numel if p.numel <= threshold else 0) for p in s.trained)
+    w, a = s.split(held_f * s.weight_bytes, held_t * s.trainable_bytes)
+    part_t = sum(_chunk(p.numel, world) for p in s.trained)
+    # DeepSpeed means to update an fp32 model's partition in place, but 0.19.8 compares a
+    # torch.device with a string there (never equal), so it always keeps an fp32 master copy.
+    master = part_t * FP32_BYTES
+    b = MemoryBreakdown(w, a, part_t * FP32_BYTES, 0.0 if s.offload_optimizer else part_t * s.moment_bytes + master,
+                        s.activations)
+    largest_layer = sum(p.numel for p in s.layout if layer_index(p) == 0)
+    b.buffers = zero_bucket_elements(sum(p.numel for p in s.trained)) * FP32_BYTES + 2 * largest_layer * s.weight_bytes
+    n_persistent = sum(1 for p in s.layout if p.numel <= threshold)
+    b.notes.append(f"{n_persistent} of {len(s.layout)} tensors are at most {threshold:,} elements: "
+                   "every rank keeps them whole (stage3_param_persistence_threshold)")
+    return b
+
+
+def plan_pipeline(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """This rank's stage: its layers (first stage: embedding; last: norm, LM head, the loss's logits),
+    data-parallel over world / stages replicas, the activations of the micro-batches in flight (1F1B).
+    torch.distributed.pipelining and DeepSpeed's PipelineModule (ZeRO stage 0) hold the same."""
+    shape = model_shape(s.config)
+    stages = s.pipeline_stages
+    stage = rank % stages
+    layers = split_layers(shape["layers"], stages, s.stage_layers)[stage]
+    last = stage == stages - 1
+
+    def in_stage(p: ParamSpec) -> bool:
+        if layer_index(p) is not None:
+            return layer_index(p) in layers
+        if p.name == "model.embed_tokens.weight":
+            return stage == 0 or (last and shape["tied"])
+        return last  # final norm, untied LM head
+
+    mine = [p for p in s.layout if in_stage(p)]
+    t = sum(p.numel for p in mine if p.trainable)
+    w, a = s.split(sum(p.numel for p in mine if not p.trainable) * s.weight_bytes, t * s.trainable_bytes)
+    in_flight = min(stages - stage, max(s.grad_accum, 1))
+    micro_batch, seq_len, ckpt, lora_r, targets, lora_dropout, _ = s.activation_args
+    layer_acts = activation_bytes_estimate(s.config, micro_batch, seq_len, s.activation_bytes, ckpt, lora_r, targets,
+                                           lora_dropout, 0.0)  # every layer, without the loss's logits
+    share = layer_acts * len(layers) / shape["layers"] * in_flight
+    if last:
+        share += s.activations - layer_acts
+    b = MemoryBreakdown(w, a, t * s.trainable_bytes, t * s.moment_bytes, share)
+    if s.world_size // stages > 1:
+        b.buffers = t * s.trainable_bytes
+    span = f"{layers.start}-{layers.stop - 1}" if len(layers) else "none"
+    b.notes.append(f"stage {stage} of {stages}: layers {span}, {in_flight} micro-batch(es) in flight (1F1B)")
+    return b
+
+
+PLANNERS = {"single": plan_single, "ddp": plan_ddp, "fsdp": plan_fsdp, "zero2": plan_zero2, "zero3": plan_zero3,
+            "pipeline": plan_pipeline, "ds_pipeline": plan_pipeline}
+REPLICATED = ("single", "ddp")  # every rank holds the same: plan rank 0 only
+
+
+def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype: str | None = None,
+                weight_bytes: float | None = None, trainable_bytes: float | None = None,
+                lora_r: int | None = None, lora_targets=None, micro_batch: int = 1, seq_len: int = 1024,
+                activation_checkpointing: bool = False, optimizer: str = "adamw",
+                activation_bytes: float | None = None, lora_dropout: float = 0.0, loss_token_fraction: float = 1.0,
+                pipeline_stages: int | None = None, stage_layers: Sequence[int] | None = None, grad_accum: int = 1,
+                offload_optimizer: bool = False, zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
+                rank: int | None = None) -> MemoryBreakdown:
+    """Predicted bytes one rank holds while training `config` with `strategy` on `world_size` ranks.
+
+    config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: "fp32",
+    "bf16-autocast" (fp32 weights, bf16 compute), "bf16", "int8", "4bit" (frozen base weights
+    quantised: LoRA only); or give weight_bytes (and activation_bytes) directly. lora_r None: full
+    fine-tuning. rank None: the rank that needs the most (ranks differ slightly where partitions cut
+    tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the pipelines' split
+    (distlab.strategies.split.split_layers: balanced by default).
+
+    What each strategy holds, per rank, with N parameters, T of them trained:
+      single, ddp   everything: weights, T gradients, AdamW's two fp32 moments per trained weight.
+                    DDP adds its gradient buckets (a copy of the gradients) as buffers.
+      zero2         weights replicated; the flat trained weights cut into `world` partitions, each
+                    rank keeping the fp32 master copy and moments of its partition, and the
+                    gradients of the tensors that touch it (whole tensors, as DeepSpeed does).
+      fsdp          every tensor cut in `world` dim-0 shards: weights, gradients and moments / world;
+                    buffers for the layer being all-gathered (and the next one, prefetched).
+      zero3         every tensor partitioned (weights, fp32 gradients, fp32 master copy, moments);
+                    tensors under DeepSpeed's persistence threshold (100k elements: LoRA adapters,
+                    norms, biases, small projections) are also kept whole on every rank.
+      pipeline,     layers divided over `pipeline_stages` stages (first stage: embedding, last: norm
+      ds_pipeline   and LM head), DDP across world / stages replicas; activations of the micro-batches
+                    in flight (1F1B: stages - stage index).
+    """
+    if strategy not in PLANNERS:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_NAMES)}")
+    if strategy == "single":
+        world_size = 1
+    stages = pipeline_stages or world_size
+    if strategy in PIPELINE_STRATEGIES and world_size % stages:
+        raise ValueError(f"world_size {world_size} is not a multiple of pipeline_stages {stages}")
+    if dtype is not None:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+        wb, ab = DTYPE_BYTES[dtype]
+        weight_bytes = weight_bytes if weight_bytes is not None else wb
+        activation_bytes = activation_bytes if activation_bytes is not None else ab
+    wb = 4.0 if weight_bytes is None else float(weight_bytes)
+    if wb < 2 and not lora_r:
+        raise ValueError("quantised base weights (weight_bytes < 2) can only be trained through LoRA adapters")
+    # DeepSpeed's bf16 mode stores the model in bf16 (torch autocast keeps fp32 weights instead).
+    deepspeed_bf16 = strategy in ("zero2", "zero3") and dtype in ("bf16-autocast", "bf16")
+    if deepspeed_bf16:
+        wb = 2.0
+    tb = float(trainable_bytes) if trainable_bytes is not None else (wb if (not lora_r or wb >= 2) else 4.0)
+    act_b = activation_bytes if activation_bytes is not None else (wb if wb >= 2 else 2)
+    targets = list(lora_targets or LORA_TARGETS)
+    activation_args = (micro_batch, seq_len, activation_checkpointing, lora_r, targets, lora_dropout,
+                       loss_token_fraction)
+    setup = PlanSetup(
+        config=config, layout=parameter_layout(config, lora_r, targets), world_size=world_size, weight_bytes=wb,
+        trainable_bytes=tb, activation_bytes=act_b, moment_bytes=moment_bytes(optimizer),
+        activations=activation_bytes_estimate(config, micro_batch, seq_len, act_b, activation_checkpointing,
+                                              lora_r, targets, lora_dropout, loss_token_fraction),
+        activation_args=activation_args, deepspeed_bf16=deepspeed_bf16, offload_optimizer=offload_optimizer,
+        pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
+        zero3_persistence_threshold=zero3_persistence_threshold)
+    planner = PLANNERS[strategy]
+    if strategy in REPLICATED:
+        return planner(setup, 0)
+    if rank is not None:
+        return planner(setup, rank)
+    return max((planner(setup, r) for r in range(world_size)), key=lambda b: b.total)
+
+
+def estimate_training_memory(config, *, weight_bytes: float = 4, lora_r: int | None = 16, lora_targets=None,
+                             trainable_bytes: float = 4, micro_batch: int = 1, seq_len: int = 1024,
+                             activation_bytes: float | None = None, activation_checkpointing: bool = False,
+                             optimizer: str = "adamw", lora_dropout: float = 0.05,
+                             loss_token_fraction: float = 1.0) -> MemoryBreakdown:
+    """Bytes held by one rank training on one device: plan_memory's "single" case, with chapter 01's
+    defaults (LoRA r=16, fp32 adapters, LoRA dropout on).
+
+    weight_bytes: bytes per frozen/base weight (4 fp32, 2 bf16, 1 int8, 0.5 for 4-bit).
+    lora_r None: full fine-tuning (base weights are trained: `trainable_bytes` each, with gradients
+    and AdamW state for all). AdamW keeps two moments per trained weight in fp32 (8 bytes)."""
+    return plan_memory(config, strategy="single", weight_bytes=weight_bytes, trainable_bytes=trainable_bytes,
+                       lora_r=lora_r, lora_targets=lora_targets, micro_batch=micro_batch, seq_len=seq_len,
+                       activation_bytes=activation_bytes, activation_checkpointing=activation_checkpointing,
+                       optimizer=optimizer, lora_dropout=lora_dropout, loss_token_fraction=loss_token_fraction)

@@ -1,0 +1,54 @@
+"""Everything a run needs before a strategy touches it: device, tokenizer, data and the model that
+computes its own loss (with LoRA adapters when the config asks for them).
+
+Kept out of train.py so that measurement code (distlab.measure.state) can build exactly the
+model a training run builds without importing the loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from distlab.config import TrainConfig
+from distlab.data import build_sft_data
+from distlab.device import choose_device
+from distlab.dropout import replace_lora_dropout
+from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def apply_lora(model, cfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model  # deferred: peft imports half of transformers
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_targets), bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if cfg.fast_dropout:
+        replace_lora_dropout(model)
+    return model
+
+
+def prepare_run(cfg: TrainConfig, strategy):
+    """(device choice, tokenizer, train data, eval data, loss-computing model) for a run: identical on
+    every rank and world size. The strategy only says which local device this rank uses."""
+    choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
+    tokenizer = load_tokenizer(cfg.model)
+    train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
+    eval_data = (build_sft_data(cfg.eval_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
+                 if cfg.eval_file else None)
+    seed_everything(cfg.seed)  # the same initial LoRA weights on every rank and every world size
+    model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if cfg.lora:
+        model = apply_lora(model, cfg)
+    return choice, tokenizer, train_data, eval_data, CausalLMWithLoss(model)

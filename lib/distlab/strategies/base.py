@@ -1,0 +1,247 @@
+"""The strategy interface: the hooks distlab.train's one loop calls, and what strategies share.
+
+The loop, per optimizer step:
+
+    loss, grad_norm = strategy.train_step(model, micro_batches, choice, label_tokens, optimizer, scheduler, clip)
+
+`train_step` is the whole step. By default it is `forward_backward` (every micro-batch, gradient
+sync on the last one only) followed by `optimizer_step` (clip, step, schedule, zero the grads);
+a strategy whose engine runs the step itself (DeepSpeed's pipeline engine: forward, backward and
+optimizer inside `train_batch`) overrides `train_step` and nothing else of it.
+
+Measurement never lives here: the loop hands every strategy a meter (distlab.measure.meter) and a
+strategy calls it at one place, where its communication starts (`self.meter.watch_...`) and,
+once, where gradients and optimizer state both exist (`self.meter.state_point`). With
+measurement off the meter does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distlab.data import SFTData, model_inputs
+from distlab.device import DeviceChoice, autocast, backend_for
+from distlab.measure.meter import NULL_METER, Meter
+
+
+def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class Strategy:
+    """Hooks the training loop calls. Subclasses override what their parallelism changes."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.rank, self.world_size, self.local_rank = 0, 1, 0
+        self.meter: Meter = NULL_METER
+
+    # --- process group
+    def setup(self, cfg) -> None:
+        """Join the process group (no-op on one device)."""
+
+    def teardown(self, keep_group: bool = False) -> None:
+        """Release what setup took; `keep_group` leaves the process group up for the next run
+        of a sweep (`python -m distlab.train --variant ...`)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks see different data (the loss is normalised over all of them)."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank
+
+    # --- model and optimizer
+    def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
+        """(model, optimizer, scheduler) ready to train. Strategies whose engine owns the
+        optimizer (DeepSpeed) override this; the others override wrap_model only."""
+        model = self.wrap_model(model, choice)
+        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay)
+        return model, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+
+    def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
+        return model.to(choice.device)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW over trainable weights; no decay on vectors (norms, biases), as is standard."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+
+    # --- one optimizer step
+    def train_step(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice, global_label_tokens: int,
+                   optimizer, scheduler, max_grad_norm: float) -> tuple[float, float]:
+        """One whole optimizer step: (this rank's share of the step loss, gradient norm before clipping)."""
+        local_loss = self.forward_backward(model, micro_batches, choice, global_label_tokens)
+        return local_loss, self.optimizer_step(model, optimizer, scheduler, max_grad_norm)
+
+    def forward_backward(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice,
+                         global_label_tokens: int) -> float:
+        """All micro-steps of one optimizer step; returns this rank's share of the step loss.
+
+        Each micro-batch's summed loss is divided by the global label-token count, then multiplied
+        by the data-parallel size because gradient sync averages over ranks. The model is a
+        distlab.models.CausalLMWithLoss (possibly wrapped): its forward returns the summed loss."""
+        scale = self.data_parallel_size / global_label_tokens
+        local = 0.0
+        for i, batch in enumerate(micro_batches):
+            with self.sync_context(model, sync=(i == len(micro_batches) - 1)):
+                with autocast(choice):
+                    loss_sum = model(**model_inputs(batch, choice.device))
+                (loss_sum * scale).backward()
+            local += loss_sum.item() / global_label_tokens
+        return local
+
+    def sync_context(self, model: torch.nn.Module, sync: bool):
+        """Context for one micro-step; `sync=False` lets data parallelism skip the gradient sync."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model, max_grad_norm: float) -> float:
+        """Clip to the global gradient norm; return the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+
+    def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
+        grad_norm = self.clip_grad_norm(model, max_grad_norm)
+        optimizer.step()
+        self.meter.state_point(model, optimizer)  # gradients and AdamW moments both exist here
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, model, data: SFTData, choice: DeviceChoice, batch_size: int = 8) -> float:
+        """Token-weighted mean loss over held-out rows, each data-parallel rank taking a share.
+
+        Every rank runs as many forward passes as the busiest one: under FSDP2 and ZeRO-3 a forward
+        is collective (each layer's weights are gathered), so a rank with a batch fewer runs one
+        more on a stand-in batch whose loss is not counted."""
+        was_training = model.training
+        model.eval()
+        rows = list(range(self.data_parallel_rank, len(data), self.data_parallel_size))
+        most = math.ceil(len(data) / self.data_parallel_size)  # rank 0 has the most rows
+        totals = torch.zeros(2, dtype=torch.float64)
+        for i in range(0, most, batch_size):
+            chunk = rows[i:i + batch_size]
+            batch = data.batch(chunk or [0])
+            with self.forward_context(choice):
+                loss = float(model(**model_inputs(batch, choice.device)))
+            if chunk:
+                totals += torch.tensor([loss, batch["n_label_tokens"]], dtype=torch.float64)
+        totals = self.all_reduce_sum(totals.to(choice.device)).cpu()
+        model.train(was_training)
+        return float(totals[0] / totals[1])
+
+    def forward_context(self, choice: DeviceChoice):
+        """The autocast a forward runs under (DeepSpeed's bf16 mode holds the model in bf16 itself)."""
+        return autocast(choice)
+
+    # --- collectives (identity on one rank)
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    # --- saving
+    def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
+        """The adapter (LoRA) or the whole model, loadable with from_pretrained."""
+        if self.is_main:
+            self.unwrap(model).lm.save_pretrained(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        self.barrier()
+
+    def save_training_state(self, model, optimizer, path: Path) -> None:
+        """Trained weights and optimizer state for a checkpoint (replicated: the main rank writes)."""
+        if self.is_main:
+            torch.save({"model": trained_weights(self.unwrap(model)), "optimizer": optimizer.state_dict()},
+                       path / "training_state.pt")
+
+    def load_training_state(self, model, optimizer, path: Path) -> None:
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+        load_trained_weights(self.unwrap(model), state["model"], path)
+        optimizer.load_state_dict(state["optimizer"])
+
+
+class DistributedStrategy(Strategy):
+    """Process-group plumbing shared by every multi-rank strategy."""
+
+    def setup(self, cfg) -> None:
+        if "RANK" not in os.environ:
+            raise RuntimeError(f"strategy {self.name!r} needs a launcher: run it under torchrun "
+                               "(distlab.launch writes the script)")
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.backend = backend_for(cfg.device)
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
+
+    def teardown(self, keep_group: bool = False) -> None:
+        if dist.is_initialized() and not keep_group:
+            dist.destroy_process_group()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.meter.paused():  # the loop's bookkeeping (token counts, loss) is not the strategy's traffic
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def trained_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def load_trained_weights(module: torch.nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
+    """Copy a checkpoint's trained weights in place, refusing one that does not match the model."""
+    params = dict(module.named_parameters())
+    missing = sorted(n for n, p in params.items() if p.requires_grad and n not in saved)
+    unexpected = sorted(set(saved) - set(params))
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: checkpoint does not match the model (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]})")
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            params[name].copy_(tensor)
+
+
+def save_consolidated(model: torch.nn.Module, full_state: dict, path: Path, tokenizer=None) -> None:
+    """Write a CausalLMWithLoss's gathered state dict (keys "lm.<...>") the way `save_pretrained`
+    does for the unsharded model: PEFT keeps only the adapter weights, transformers the whole model."""
+    prefix = "lm."
+    state = {k[len(prefix):]: v for k, v in full_state.items() if k.startswith(prefix)}
+    path = Path(path)
+    model.lm.save_pretrained(path, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
