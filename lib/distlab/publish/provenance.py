@@ -18,15 +18,22 @@ from distlab.paths import REPO_ROOT
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "deepspeed", "tokenizers")
 
 
-def git_commit(short: bool = True) -> str:
-    """The commit of the working tree, with '+dirty' when there are uncommitted changes."""
+# What the book build writes (tracked, regenerated): a change there is an output, not a changed input,
+# so it does not make the tree dirty. Everything else tracked (code, notebooks, data, config) does.
+OUTPUT_PATHS = ("figures",)
+
+
+def git_commit(short: bool = True, root: str | Path = REPO_ROOT) -> str:
+    """The commit of the working tree, with '+dirty' when an input (any tracked file outside
+    OUTPUT_PATHS) has uncommitted changes."""
     try:
         rev = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short" if short else "--verify", "HEAD"],
+            ["git", "-C", str(root), "rev-parse", "--short" if short else "--verify", "HEAD"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
+        outputs = [f":(exclude){path}" for path in OUTPUT_PATHS]
         dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".", *outputs],
             capture_output=True, text=True, timeout=10,
         ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
