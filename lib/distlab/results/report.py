@@ -59,9 +59,10 @@ def save_scaling(df: pd.DataFrame, figures_dir: str | Path, provenance: dict, pr
         ax.bar(labels, df["compute_time_s"] * 1e3, label="compute")
         ax.bar(labels, df["comm_time_s"] * 1e3, bottom=df["compute_time_s"] * 1e3,
                label="gradient all-reduce (incl. waiting for the slower rank)")
+        tallest = float(((df["compute_time_s"] + df["comm_time_s"]) * 1e3).max())
         ax.set(xlabel="world size (ranks)", ylabel="ms per optimizer step (slowest rank)",
-               title="where a step's time goes (measured)")
-        ax.legend(fontsize=7)
+               title="where a step's time goes (measured)", ylim=(0, tallest * 1.3))  # headroom: legend above bars
+        ax.legend(fontsize=7, loc="upper right")
         fig.tight_layout()
         out.append(save_figure(fig, figures_dir / f"{prefix}_comm_compute.png", provenance))
         plt.close(fig)
