@@ -55,7 +55,7 @@ book: $(STAMP) deepspeed-op
 lock:
 	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
 	build/lockenv/bin/pip install -q "torch==2.13.0"
-	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest ruff trl playwright nbformat nbclient
+	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest ruff trl playwright nbformat nbclient kubernetes-validate
 	build/lockenv/bin/python tools/write_lock.py build/lockenv
 
 clean:

@@ -26,7 +26,10 @@ measure/      measurement from outside the training code: envcheck, limits, moni
 planning/     memory per rank before running: shapes, plan (one planner per strategy),        ch. 01, 03
               advice (the LAN cluster's decision tree), memory (the chapters' names)
 launch/       spec, torchrun scripts, generated folders, the seed's launch matrix, runner,    ch. 02-04
-              jobs  (python -m distlab.launch regenerate|check)
+              jobs  (python -m distlab.launch regenerate|check); network (presets by name,
+              network_presets.yaml), kubernetes (Namespace, headless Service, Indexed Jobs),
+              kubepod (the pods' entrypoint, the Dockerfile), kubecheck (offline validation),
+              kubecollect (results from pod logs)  (python -m distlab.launch.kubernetes validate|collect)
 results/      schema (the one results vocabulary), report (scaling tables), collect (results  ch. 02-04
               from logs, the benchmark report)
 publish/      regenerate (papermill), book (Jupyter Book + browser check), datagen (the      maintainers

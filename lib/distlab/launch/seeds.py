@@ -1,10 +1,14 @@
-"""The repository's launch/ folder: the enterprise demo's launch matrix, written from `SEED_MATRIX`.
+"""The repository's launch/ folder: the enterprise demo's launch matrix, written from `SEED_MATRIX`, and
+the strategy benchmark on Kubernetes in launch/k8s/, written from `KUBE_MATRIX`.
 
-    python -m distlab.launch regenerate   # rewrite launch/ from SEED_MATRIX
+    python -m distlab.launch regenerate   # rewrite launch/ (and launch/k8s/) from the two matrices
     python -m distlab.launch check        # exit 1 naming every file that differs from the writer
 
-Each row is one run of the enterprise assistant's LoRA fine-tuning with DDP (1 GPU, 4 GPUs, and
-two LAN nodes of 4 GPUs); `seed_spec` turns a row into a LaunchSpec, torchrun.py writes it.
+Each SEED_MATRIX row is one run of the enterprise assistant's LoRA fine-tuning with DDP (1 GPU, 4 GPUs,
+and two LAN nodes of 4 GPUs); `seed_spec` turns a row into a LaunchSpec, torchrun.py writes it. Each
+KUBE_MATRIX row is one Indexed Job of the benchmark-framework seed (a 1-GPU smoke job, then DDP, FSDP,
+ZeRO-2 and ZeRO-3 on 2 and 4 pods of one GPU); `kube_job` turns a row into a KubeJob, kubernetes.py
+writes its manifest and entrypoint, plus the shared Namespace, Service and Dockerfile.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Sequence
 
 from distlab.config import load_config
 from distlab.launch.generated import GENERATED_MARK, check_dir, regenerate
+from distlab.launch.network import describe
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, render_files
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
@@ -111,23 +116,165 @@ def render_seed_readme(matrix: Sequence[SeedRun] = SEED_MATRIX) -> str:
         "",
         "Secrets (an HF_TOKEN for gated models) come from your environment, never from these files.",
         "",
+        "[`k8s/`](k8s/README.md) holds the strategy benchmark as Kubernetes Indexed Jobs (manifests, entrypoints, "
+        "Dockerfile), written from the same LaunchSpec.",
+        "",
     ]
     return "\n".join(lines)
 
 
-def seed_files(matrix: Sequence[SeedRun] = SEED_MATRIX) -> dict[str, str]:
-    """Relative path under launch/ -> content, for the whole matrix plus launch/README.md."""
+# ---------------------------------------------------------------------- the benchmark on Kubernetes
+
+K8S_IMAGE = "registry.example.com/distlab/bench:0.1.0"  # placeholder: the registry and tag you push to
+K8S_CONFIG = "lib/distlab/configs/tiny_lora.yaml"
+K8S_NETWORK = "cloud-no-rdma"  # the seed's GPU VMs have no RDMA
+K8S_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class KubeRun:
+    """One row of the strategy benchmark on Kubernetes: an Indexed Job of `pods` pods with one GPU each."""
+
+    name: str
+    strategy: str
+    pods: int
+    max_steps: int
+    global_batch_size: int
+    purpose: str
+    timeout_s: int
+
+
+KUBE_MATRIX: tuple[KubeRun, ...] = (
+    KubeRun("smoke-1gpu", "single", 1, 10, 4, "smoke test of the image, GPU, DNS and result markers", 1200),
+    *(KubeRun(f"{s}-{n}gpu", s, n, 50, 64, "strategy benchmark", 3600) for s in K8S_STRATEGIES for n in (2, 4)),
+)
+
+
+def kube_job(row: KubeRun):
+    """The KubeJob of one row: the GPU profile of chapter 03 (the 0.5B-shaped random model, bf16 autocast)."""
+    # The package imports this module, and `python -m distlab.launch.kubernetes` needs that module not imported yet.
+    from distlab.launch.kubernetes import KubeJob, kube_spec  # deferred: runpy runs it as __main__ (see above)
+
+    sets = {"strategy": row.strategy, "model": "qwen2.5-0.5b-random", "device": "cuda", "dtype": "bf16-autocast",
+            "seq_len": 1024, "micro_batch_size": 4, "global_batch_size": row.global_batch_size, "lr": "1.0e-3",
+            "max_steps": row.max_steps, "progress": "false", "output_dir": f"build/runs/k8s/{row.name}"}
+    args = ["--config", K8S_CONFIG] + [w for k, v in sets.items() for w in ("--set", f"{k}={v}")]
+    spec = kube_spec(row.name, module="distlab.train", args=args, nproc_per_node=1, nnodes=row.pods,
+                     strategy=row.strategy, micro_batch_size=4, global_batch_size=row.global_batch_size,
+                     env={"NCCL_DEBUG": "WARN", "TOKENIZERS_PARALLELISM": "false"}, network=K8S_NETWORK,
+                     log_dir=f"logs/k8s/{row.name}",
+                     env_notes={"NCCL_DEBUG": "NCCL's log level: WARN puts only warnings and errors in the pod's log"},
+                     timeout_s=row.timeout_s, repo_root="../../..",
+                     description=f"{row.strategy} on {plural(row.pods, 'pod')} x 1 GPU, {row.max_steps} steps: "
+                                 f"{row.purpose} (Kubernetes)")
+    return KubeJob(row.name, spec, image=K8S_IMAGE, gpus_per_pod=1, cpu="4", memory="32Gi")
+
+
+def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
+    from distlab.launch import kubernetes  # deferred: see kube_job
+
+    ns, svc = kubernetes.NAMESPACE, kubernetes.SERVICE
+    lines = [
+        "# The strategy benchmark on Kubernetes",
+        "",
+        f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `KUBE_MATRIX` in `{GENERATOR_FILE}`; "
+        "the shapes in `lib/distlab/launch/kubernetes.py`): do not edit them by hand. `python -m distlab.launch "
+        "check`, and the test suite, fail when these files differ from what the generator writes.",
+        "",
+        "**Validated offline, not run on a cluster.** Every manifest passes strict schema validation for "
+        "Kubernetes 1.30 and 1.34 (`kubernetes-validate`) and distlab's own checks; the entrypoint ran for real "
+        "as two local processes (a finished 2-node DDP run on CPU, `tests/test_kubernetes.py`). The image was "
+        "not built: no base image can be pulled on the machines that wrote these files.",
+        "",
+        "| job | strategy | pods x GPUs | world | steps | global batch | purpose | hard limit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in matrix:
+        lines.append(f"| [`{row.name}`](jobs/{row.name}.yaml) | {row.strategy} | {row.pods} x 1 | {row.pods} | "
+                     f"{row.max_steps} | {row.global_batch_size} | {row.purpose} | {row.timeout_s // 60} min |")
+    lines += [
+        "",
+        f"- `namespace.yaml`, `service.yaml`: the namespace `{ns}` and the headless Service `{svc}` "
+        "(`clusterIP: None`, `publishNotReadyAddresses: true`): pod i of job J resolves as "
+        f"`J-i.{svc}` as soon as it has an address.",
+        "- `jobs/<job>.yaml`: one Indexed Job per run, a pod per node (`completions` = `parallelism` = pods, "
+        f"`subdomain: {svc}`, `restartPolicy: Never`, `backoffLimit: 0`, one `nvidia.com/gpu` each, `/dev/shm` in "
+        f"memory), `MASTER_ADDR=<job>-0.{svc}`; labelled `distlab.io/run=<job>`.",
+        "- `entrypoints/<job>.sh`: the container's command. Node rank from `JOB_COMPLETION_INDEX`, a bounded wait "
+        "for the master's DNS name, then the same torchrun command as the scripts in `launch/`, under a hard limit. "
+        "Every rank prints its result between `DISTLAB_RESULT` markers into the pod's log.",
+        "- `Dockerfile`: torch 2.13.0, then distlab with `requirements.lock` as constraints, the default model "
+        "built in, `HF_HUB_OFFLINE=1`. The runs use the 0.5B-shaped random model (`qwen2.5-0.5b-random`), which "
+        f"needs only the built-in tokenizer. `{K8S_IMAGE}` is a placeholder: set `K8S_IMAGE` and regenerate.",
+        "",
+        "## Run (one job at a time: each takes all its GPUs)",
+        "",
+        "```bash",
+        f"docker build -f launch/k8s/Dockerfile -t {K8S_IMAGE} . && docker push {K8S_IMAGE}",
+        "python -m distlab.launch.kubernetes validate launch/k8s          # offline: schema + distlab's checks",
+        "kubectl apply -f launch/k8s/namespace.yaml -f launch/k8s/service.yaml",
+        "kubectl apply -f launch/k8s/jobs/smoke-1gpu.yaml",
+        f"kubectl wait --namespace {ns} --for=condition=complete job/smoke-1gpu --timeout=30m",
+        f"python -m distlab.launch.kubernetes collect --namespace {ns} --run smoke-1gpu --out build/k8s",
+        f"kubectl delete --namespace {ns} job/smoke-1gpu",
+        "```",
+        "",
+        "`collect` reads each pod's whole log (`kubectl logs`, one pod at a time) and checks every rank's result; "
+        "`build/k8s/<job>/` then holds the logs, `console.log` and `results.json`, and "
+        "`distlab.results.collect.collect_run('build/k8s/<job>')` reads it like a local run.",
+        "",
+        f"## Network: `{K8S_NETWORK}`",
+        "",
+        "Every entrypoint exports the preset's variables (names and reasons in "
+        "`lib/distlab/launch/network_presets.yaml`; any launch target takes `LaunchSpec(network=...)`):",
+        "",
+        describe().rstrip(),
+        "",
+        "On Kubernetes, `rdma-infiniband` also needs the HCAs inside the pods (an RDMA device plugin, or "
+        "`hostNetwork`); the preset only sets NCCL's side.",
+        "",
+        "## Why plain Indexed Jobs",
+        "",
+        "Kubeflow's PyTorchJob (Training Operator) and TrainJob (Trainer v2), or Volcano (TorchX's Kubernetes "
+        "scheduler renders a Volcano job) add gang scheduling and restarts, but need their operator and custom "
+        "resources installed first, and no offline schema covers those. An Indexed Job (stable since Kubernetes "
+        "1.24) with a headless Service gives each pod its node rank and a stable DNS name, which is all torchrun's "
+        "static rendezvous needs, with built-in resources only. What it lacks: no gang scheduling (a job whose "
+        "pods do not all fit waits with some pods holding GPUs; the DNS wait and the hard limit bound that) and no "
+        "elastic restart (a lost pod fails the run). The seed's master job, worker job and ClusterIP Service "
+        "become one Job whose pod 0 is the master.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def kube_files(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> dict[str, str]:
+    """Relative path under launch/k8s/ -> content."""
+    from distlab.launch.kubernetes import render_files as render_kube  # deferred: see kube_job
+
+    files = render_kube([kube_job(row) for row in matrix], default_job=matrix[0].name)
+    files["README.md"] = render_kube_readme(matrix)
+    return files
+
+
+def seed_files(matrix: Sequence[SeedRun] = SEED_MATRIX,
+               kube_matrix: Sequence[KubeRun] | None = KUBE_MATRIX) -> dict[str, str]:
+    """Relative path under launch/ -> content, for the whole matrix plus launch/README.md, and the
+    Kubernetes benchmark under k8s/ (kube_matrix=None: without it)."""
     files: dict[str, str] = {}
     for row in matrix:
         files.update(render_files(seed_spec(row), row.name))
     files["README.md"] = render_seed_readme(matrix)
+    if kube_matrix:
+        files.update({f"k8s/{rel}": text for rel, text in kube_files(kube_matrix).items()})
     return files
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlab.launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["regenerate", "check"],
-                    help="regenerate: rewrite the folder from SEED_MATRIX; check: exit 1 if it differs")
+                    help="regenerate: rewrite the folder from SEED_MATRIX and KUBE_MATRIX; check: exit 1 if it "
+                         "differs")
     ap.add_argument("--dir", type=Path, default=LAUNCH_DIR, help="the launch folder (default: launch/)")
     args = ap.parse_args(argv)
     files = seed_files()

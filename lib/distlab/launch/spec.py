@@ -15,6 +15,10 @@ credentials, and are exempt. Any value (env, arguments, addresses) that looks li
 credential (hf_..., ghp_..., github_pat_..., sk-..., AKIA..., xox?-..., a PEM private key) is
 refused too. Pass secrets through the caller's environment, which the script inherits:
 `HF_TOKEN=... launch/run_4gpu.sh`, or log in once per node (`huggingface-cli login`).
+
+`network` names a network preset (distlab.launch.network: lan-ethernet, cloud-no-rdma,
+rdma-infiniband): its NCCL and gloo variables are exported before the spec's own `env`, which wins
+for a variable both set (`effective_env`), each with the preset's reason as its comment.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from distlab.launch.network import NetworkPresetError, get_preset
 from distlab.strategies import PIPELINE_STRATEGIES, STRATEGY_NAMES
 
 RENDEZVOUS = ("standalone", "static", "c10d")
@@ -90,6 +95,7 @@ class LaunchSpec:
     description: str = ""  # one line for the header, e.g. "tiny LoRA with DDP on 2 CPU ranks"
     repo_root: str | None = None  # the repo root relative to write_scripts' out_dir; None: no cd
     hosts: list[str] = field(default_factory=list)  # optional: the host of each node rank, for README
+    network: str | None = None  # a network preset's name (distlab.launch.network); env overrides its values
 
     def __post_init__(self) -> None:
         self.args = list(self.args)
@@ -134,6 +140,20 @@ class LaunchSpec:
         """Seconds torchrun gives its ranks between SIGTERM and SIGKILL when it stops them."""
         return int(self.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", TORCHRUN_SHUTDOWN_S))
 
+    @property
+    def effective_env(self) -> dict[str, str]:
+        """What the scripts export: the network preset's variables (if any), then `env` over them."""
+        preset = get_preset(self.network).env if self.network is not None else {}
+        return {**preset, **self.env}
+
+    def env_note(self, name: str) -> str | None:
+        """Why `name` is set: the spec's own note, else the network preset's reason (None: neither)."""
+        if name in self.env_notes:
+            return self.env_notes[name]
+        if self.network is not None:
+            return get_preset(self.network).reasons.get(name)
+        return None
+
     def for_node(self, node_rank: int) -> LaunchSpec:
         return dataclasses.replace(self, node_rank=node_rank)
 
@@ -154,6 +174,11 @@ class LaunchSpec:
                                                f"(node ranks run 0..{self.nnodes - 1})")
         _check_int("max_restarts", self.max_restarts, minimum=0)
         self._validate_rendezvous()
+        if self.network is not None:
+            try:
+                get_preset(self.network)
+            except NetworkPresetError as e:
+                raise LaunchSpecError("network", str(e)) from None
         self._validate_env()
         shutdown = self.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(TORCHRUN_SHUTDOWN_S))
         if not shutdown.isdigit():
@@ -215,7 +240,7 @@ class LaunchSpec:
                 raise LaunchSpecError("hosts", f"the rendezvous host {self.rendezvous_host!r} is none of the nodes")
 
     def _validate_env(self) -> None:
-        for name, value in self.env.items():
+        for name, value in self.effective_env.items():
             if not isinstance(name, str) or not _IDENT_RE.match(name):
                 raise LaunchSpecError("env", f"{name!r} is not a valid shell variable name")
             if name in RESERVED_ENV:

@@ -26,7 +26,9 @@ foreground process group, so Ctrl-C reaches torchrun even when the script is sta
 script. Exit status 124 means the limit was hit.
 
 `torchrun_flags` is the one place torchrun's command-line flags are built: the scripts here, the
-fingerprint command in a multi-node README, and the jobs distlab.measure launches all use it.
+fingerprint command in a multi-node README, the Kubernetes entrypoints (distlab.launch.kubernetes)
+and the jobs distlab.measure launches all use it. A spec's network preset (`network`) is exported
+with the rest of its environment, each variable with the preset's reason.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _q(value) -> str:
     return shlex.quote(str(value))
 
 
-def _command_text(spec: LaunchSpec) -> str:
+def command_text(spec: LaunchSpec) -> str:
     return " ".join([spec.python, "-m", spec.module, *map(_q, spec.args)])
 
 
@@ -142,6 +144,30 @@ def _placement(spec: LaunchSpec) -> str:
 
 # ---------------------------------------------------------------------- the script
 
+def python_lines(spec: LaunchSpec) -> list[str]:
+    """The lines that pick the interpreter: the spec's, unless $PYTHON is set."""
+    out = ["# The interpreter for torchrun and, through it, every rank. Override: PYTHON=/path/to/python"]
+    if _q(spec.python) == spec.python:  # nothing to quote: safe inside "${PYTHON:-...}"
+        out += [f'PYTHON="${{PYTHON:-{spec.python}}}"']
+    else:
+        out += [f"default_python={_q(spec.python)}", 'PYTHON="${PYTHON:-${default_python}}"']
+    return out + [""]
+
+
+def env_lines(spec: LaunchSpec) -> list[str]:
+    """The commented exports of the spec's environment (its network preset's first), or no lines."""
+    env = spec.effective_env
+    if spec.max_restarts:
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if not env:
+        return []
+    out = ["# Environment for torchrun and every rank."]
+    for name, value in env.items():
+        note = spec.env_note(name) or ENV_NOTES.get(name) or "set by the launch spec"
+        out += [f"# {name}: {note}", f"export {name}={_q(value)}"]
+    return out + [""]
+
+
 def render_script(spec: LaunchSpec) -> str:
     """The bash script for `spec.node_rank` (for several nodes, it lives in `<name>/nodeN.sh`)."""
     spec.validate()
@@ -151,7 +177,7 @@ def render_script(spec: LaunchSpec) -> str:
         "#!/usr/bin/env bash",
         f"# {title}",
         "#",
-        f"# Runs `{_command_text(spec)}`",
+        f"# Runs `{command_text(spec)}`",
         f"# under torchrun on {shape}.",
         f"# {_placement(spec)}",
         f"# Hard limit: {spec.timeout_s} s, then SIGTERM; SIGKILL {spec.kill_after_s} s later. "
@@ -160,7 +186,9 @@ def render_script(spec: LaunchSpec) -> str:
         "#",
         f"# {GENERATED_MARK} from a LaunchSpec: change the spec and regenerate, not this file.",
     ]
-    values = [*spec.args, *spec.env.values(), spec.log_dir, spec.python, spec.repo_root or ""]
+    if spec.network:
+        out.append(f"# Network preset: {spec.network} (lib/distlab/launch/network_presets.yaml).")
+    values = [*spec.args, *spec.effective_env.values(), spec.log_dir, spec.python, spec.repo_root or ""]
     if any("$" in v or "`" in v for v in values):  # shellcheck would suspect a forgotten expansion
         out += ["# Single-quoted values are literal on purpose: $ and ` in them are not expanded.",
                 "# shellcheck disable=SC2016"]
@@ -171,21 +199,8 @@ def render_script(spec: LaunchSpec) -> str:
                 f'cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")"/{_q(rel)}', ""]
     else:
         out += ["# Paths below are relative to the directory this script is started from.", ""]
-    out += ["# The interpreter for torchrun and, through it, every rank. Override: PYTHON=/path/to/python"]
-    if _q(spec.python) == spec.python:  # nothing to quote: safe inside "${PYTHON:-...}"
-        out += [f'PYTHON="${{PYTHON:-{spec.python}}}"']
-    else:
-        out += [f"default_python={_q(spec.python)}", 'PYTHON="${PYTHON:-${default_python}}"']
-    out.append("")
-    env = dict(spec.env)
-    if spec.max_restarts:
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if env:
-        out.append("# Environment for torchrun and every rank.")
-        for name, value in env.items():
-            note = spec.env_notes.get(name) or ENV_NOTES.get(name) or "set by the launch spec"
-            out += [f"# {name}: {note}", f"export {name}={_q(value)}"]
-        out.append("")
+    out += python_lines(spec)
+    out += env_lines(spec)
     out += ["# torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).",
             f"mkdir -p -- {_q(spec.log_dir)}",
             "",
@@ -211,8 +226,9 @@ def _fingerprint_command(spec: LaunchSpec, node_rank: int) -> str:
     rendezvous = {**_rendezvous_of(spec), "node_rank": node_rank, "rdzv_id": "distlab-fp"}
     parts = ["python", "-m", "torch.distributed.run"]
     parts += [flag for group in torchrun_flags(1, **rendezvous, tee=False) for flag in group]
-    if "GLOO_SOCKET_IFNAME" in spec.env:  # the fingerprint talks gloo: pin its interface as the job does
-        parts.insert(0, f"GLOO_SOCKET_IFNAME={spec.env['GLOO_SOCKET_IFNAME']}")
+    env = spec.effective_env
+    if "GLOO_SOCKET_IFNAME" in env:  # the fingerprint talks gloo: pin its interface as the job does
+        parts.insert(0, f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}")
     parts += ["-m", "distlab.workers.fingerprint", "--out", "build/runs/envcheck/fingerprint.json"]
     return " ".join(map(_q, parts))
 
@@ -227,7 +243,7 @@ def render_readme(spec: LaunchSpec, name: str) -> str:
         "",
         f"{title}. {GENERATED_MARK}: change the spec and regenerate rather than editing these files.",
         "",
-        f"Every node runs `{_command_text(spec)}` under torchrun, "
+        f"Every node runs `{command_text(spec)}` under torchrun, "
         + (f"with a static rendezvous at `{host}:{port}` (node 0 listens there)."
            if spec.rendezvous == "static" else
            f"with a c10d rendezvous at `{spec.rdzv_endpoint}` (id `{spec.rdzv_id}`; the node at `{host}` "
@@ -266,9 +282,10 @@ def render_readme(spec: LaunchSpec, name: str) -> str:
         f"`sudo ufw allow {port}/tcp`). NCCL and gloo then open further ports between all nodes: allow "
         "the cluster's subnet.",
     ]
-    ifnames = [n for n in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if n in spec.env]
+    env = spec.effective_env
+    ifnames = [n for n in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if n in env]
     if ifnames:
-        values = ", ".join(f"{n}={spec.env[n]}" for n in ifnames)
+        values = ", ".join(f"{n}={env[n]}" for n in ifnames)
         lines.append(f"3. The scripts set {values}: that must be the interface carrying the cluster's "
                      "addresses on every node (`ip -br addr`); change the spec and regenerate if it is not.")
     lines += [

