@@ -63,6 +63,14 @@ def test_notebooks_are_stored_without_outputs():
                     f"{path.name} cell {i} has outputs"
 
 
+def test_every_notebook_cell_has_a_unique_id():
+    """nbformat 4.5 cell ids: papermill and Jupyter Book keep them; a missing one is only a warning today."""
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "tests" / "fixtures").rglob("*.ipynb")):
+        nb = json.loads(path.read_text())
+        ids = [cell.get("id") for cell in nb["cells"]]
+        assert all(ids) and len(set(ids)) == len(ids), f"{path.name}: cells without an id, or repeated ids"
+
+
 def test_notebooks_have_a_parameters_cell():
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         nb = json.loads(path.read_text())

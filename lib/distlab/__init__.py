@@ -29,7 +29,7 @@ launch/       spec, torchrun scripts, generated folders, the seed's launch matri
               jobs  (python -m distlab.launch regenerate|check); network (presets by name,
               network_presets.yaml), kubernetes (Namespace, headless Service, Indexed Jobs),
               kubepod (the pods' entrypoint, the Dockerfile), kubecheck (offline validation),
-              kubecollect (results from pod logs)  (python -m distlab.launch.kubernetes validate|collect)
+              kubecollect (results from pod logs)  (python -m distlab.launch.k8s validate|collect)
 results/      schema (the one results vocabulary), report (scaling tables), collect (results  ch. 02-04
               from logs, the benchmark report)
 publish/      regenerate (papermill), book (Jupyter Book + browser check), datagen (the      maintainers

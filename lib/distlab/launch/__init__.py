@@ -19,9 +19,9 @@ runner that never leaves orphans, and jobs that run a training launch locally th
   kubepod    the pod's side: its entrypoint (node rank from JOB_COMPLETION_INDEX, bounded DNS wait,
              the same torchrun command) and the image's Dockerfile
   kubecheck  offline validation: strict schemas of two Kubernetes versions + checks the schema
-             cannot see          (python -m distlab.launch.kubernetes validate FILES...)
+             cannot see          (python -m distlab.launch.k8s validate FILES...)
   kubecollect  a run's results from its pods' logs through kubectl
-                                 (python -m distlab.launch.kubernetes collect --run NAME)
+                                 (python -m distlab.launch.k8s collect --run NAME)
 """
 
 from distlab.launch.generated import GENERATED_MARK, check_dir, regenerate
@@ -31,8 +31,6 @@ from distlab.launch.spec import LaunchSpec, LaunchSpecError
 from distlab.launch.torchrun import render_files, render_script, torchrun_flags, write_scripts
 from distlab.strategies import PIPELINE_STRATEGIES
 
-# distlab.launch.kubernetes (KubeJob, kube_spec) is not imported here: `python -m distlab.launch.kubernetes`
-# runs it as a program, which needs it not imported yet.
 __all__ = ["GENERATED_MARK", "KUBE_MATRIX", "PIPELINE_STRATEGIES", "SEED_MATRIX", "LaunchSpec", "LaunchSpecError",
            "NetworkPresetError", "check_dir", "kube_files", "kube_job", "main", "preset_names", "regenerate",
            "render_files", "render_script", "seed_files", "seed_spec", "torchrun_flags", "write_scripts"]

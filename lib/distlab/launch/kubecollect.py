@@ -1,6 +1,6 @@
 """A Kubernetes run's results, from its pods' logs: `kubectl logs` of every pod, read by the marker collector.
 
-    python -m distlab.launch.kubernetes collect --namespace distlab-bench --run ddp-2gpu --out build/k8s
+    python -m distlab.launch.k8s collect --namespace distlab-bench --run ddp-2gpu --out build/k8s
 
 A finished pod's files are gone with it; its log stays until the Job is deleted. Every rank printed its
 result between DISTLAB_RESULT markers (distlab.results.collect), so the pods' logs are all the collector

@@ -25,15 +25,15 @@ The shape, built-in resources only (no operator or CRD to install first):
   default model pre-staged and HF_HUB_OFFLINE=1, so that the pods never reach the Hub.
 
 The entrypoint and the Dockerfile are written by distlab.launch.kubepod, validation (offline) is in
-distlab.launch.kubecheck, collecting results in distlab.launch.kubecollect:
+distlab.launch.kubecheck, collecting results in distlab.launch.kubecollect; the command line for both is
+distlab.launch.k8s:
 
-    python -m distlab.launch.kubernetes validate FILES...
-    python -m distlab.launch.kubernetes collect --namespace NS --run NAME [--out DIR]
+    python -m distlab.launch.k8s validate FILES...
+    python -m distlab.launch.k8s collect --namespace NS --run NAME [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -237,29 +237,3 @@ def render_files(jobs: Sequence[KubeJob], default_job: str | None = None) -> dic
 
 
 # ---------------------------------------------------------------------- command line
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m distlab.launch.kubernetes",
-                                 description="Validate the benchmark's Kubernetes manifests offline, or collect a "
-                                             "run's results from its pods' logs.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    val = sub.add_parser("validate", help="strict schema validation (two Kubernetes versions) and distlab's checks")
-    val.add_argument("files", nargs="+", help="YAML files or folders (folders: every *.yaml under them)")
-    val.add_argument("--versions", default=None, help="comma-separated Kubernetes versions (default: 1.30,1.34)")
-    col = sub.add_parser("collect", help="kubectl logs of every pod of a run -> the result markers, checked")
-    col.add_argument("--namespace", "-n", default=NAMESPACE)
-    col.add_argument("--run", required=True, help="the Job's name (pods labelled distlab.io/run=NAME)")
-    col.add_argument("--out", default=None, help="folder for <run>/pods/<pod>.log and <run>/results.json")
-    args = ap.parse_args(argv)
-    if args.command == "validate":
-        from distlab.launch import kubecheck  # deferred: kubecheck imports this module
-
-        versions = tuple(v.strip() for v in args.versions.split(",")) if args.versions else kubecheck.VERSIONS
-        return kubecheck.main_validate(args.files, versions)
-    from distlab.launch import kubecollect  # deferred: kubecollect imports this module
-
-    return kubecollect.main_collect(args.namespace, args.run, args.out)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

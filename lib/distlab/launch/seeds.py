@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Sequence
 
 from distlab.config import load_config
+from distlab.launch import kubernetes
 from distlab.launch.generated import GENERATED_MARK, check_dir, regenerate
+from distlab.launch.kubernetes import KubeJob, kube_spec
+from distlab.launch.kubernetes import render_files as render_kube
 from distlab.launch.network import describe
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, render_files
@@ -152,9 +155,6 @@ KUBE_MATRIX: tuple[KubeRun, ...] = (
 
 def kube_job(row: KubeRun):
     """The KubeJob of one row: the GPU profile of chapter 03 (the 0.5B-shaped random model, bf16 autocast)."""
-    # The package imports this module, and `python -m distlab.launch.kubernetes` needs that module not imported yet.
-    from distlab.launch.kubernetes import KubeJob, kube_spec  # deferred: runpy runs it as __main__ (see above)
-
     sets = {"strategy": row.strategy, "model": "qwen2.5-0.5b-random", "device": "cuda", "dtype": "bf16-autocast",
             "seq_len": 1024, "micro_batch_size": 4, "global_batch_size": row.global_batch_size, "lr": "1.0e-3",
             "max_steps": row.max_steps, "progress": "false", "output_dir": f"build/runs/k8s/{row.name}"}
@@ -171,8 +171,6 @@ def kube_job(row: KubeRun):
 
 
 def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
-    from distlab.launch import kubernetes  # deferred: see kube_job
-
     ns, svc = kubernetes.NAMESPACE, kubernetes.SERVICE
     lines = [
         "# The strategy benchmark on Kubernetes",
@@ -211,11 +209,11 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
         "",
         "```bash",
         f"docker build -f launch/k8s/Dockerfile -t {K8S_IMAGE} . && docker push {K8S_IMAGE}",
-        "python -m distlab.launch.kubernetes validate launch/k8s          # offline: schema + distlab's checks",
+        "python -m distlab.launch.k8s validate launch/k8s          # offline: schema + distlab's checks",
         "kubectl apply -f launch/k8s/namespace.yaml -f launch/k8s/service.yaml",
         "kubectl apply -f launch/k8s/jobs/smoke-1gpu.yaml",
         f"kubectl wait --namespace {ns} --for=condition=complete job/smoke-1gpu --timeout=30m",
-        f"python -m distlab.launch.kubernetes collect --namespace {ns} --run smoke-1gpu --out build/k8s",
+        f"python -m distlab.launch.k8s collect --namespace {ns} --run smoke-1gpu --out build/k8s",
         f"kubectl delete --namespace {ns} job/smoke-1gpu",
         "```",
         "",
@@ -250,8 +248,6 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
 
 def kube_files(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> dict[str, str]:
     """Relative path under launch/k8s/ -> content."""
-    from distlab.launch.kubernetes import render_files as render_kube  # deferred: see kube_job
-
     files = render_kube([kube_job(row) for row in matrix], default_job=matrix[0].name)
     files["README.md"] = render_kube_readme(matrix)
     return files

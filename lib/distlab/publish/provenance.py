@@ -92,10 +92,16 @@ def stamp_text(rec: dict[str, Any]) -> str:
 
 
 def save_figure(fig, path: str | Path, provenance: dict[str, Any]) -> Path:
-    """Save a matplotlib figure with its provenance printed in the figure and in a sidecar JSON."""
+    """Save a matplotlib figure with its provenance printed under it and in a sidecar JSON.
+
+    The stamp goes below everything the figure has drawn (axis labels, tick labels, legends
+    outside the axes), so it can never cover any of it; the tight bounding box then grows to hold it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.text(0.005, 0.005, stamp_text(provenance), fontsize=6, color="0.4", ha="left", va="bottom")
+    drawn = fig.get_tightbbox(fig.canvas.get_renderer())  # inches, after layout
+    width, height = fig.get_size_inches()
+    fig.text(drawn.x0 / width, drawn.y0 / height - 0.01, stamp_text(provenance), fontsize=6, color="0.4",
+             ha="left", va="top")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     write_sidecar(path, provenance)
     return path
