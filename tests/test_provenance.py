@@ -25,3 +25,28 @@ def test_dirty_means_a_changed_input_not_a_regenerated_output(tmp_path):
 
     (tmp_path / "code.py").write_text("x = 2\n")  # an input changed: the outputs no longer follow the commit
     assert git_commit(root=tmp_path) == clean + "+dirty"
+
+
+def test_the_figure_stamp_sits_below_everything_drawn(tmp_path):
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from distlab.publish.provenance import save_figure
+
+    stamp = {"device": "CPU", "model": "m", "world_size": 1, "commit": "abc1234", "date": "2026-01-01 00:00 UTC"}
+    pyplot_fig, _ = plt.subplots()
+    for i, fig in enumerate((Figure(figsize=(4, 3)), pyplot_fig)):  # a bare Figure has no pyplot canvas
+        ax = fig.axes[0] if fig.axes else fig.add_subplot()
+        ax.plot([0, 1])
+        ax.set_xlabel("optimizer step")
+        path = save_figure(fig, tmp_path / f"f{i}.png", stamp)
+        label = ax.xaxis.label.get_window_extent()
+        text = next(t for t in fig.texts if "abc1234" in t.get_text()).get_window_extent()
+        assert text.y1 < label.y0, "the provenance line overlaps the x-axis label"
+        assert json.loads(path.with_name(path.name + ".provenance.json").read_text())["commit"] == "abc1234"
+    plt.close(pyplot_fig)

@@ -98,7 +98,7 @@ def save_figure(fig, path: str | Path, provenance: dict[str, Any]) -> Path:
     outside the axes), so it can never cover any of it; the tight bounding box then grows to hold it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    drawn = fig.get_tightbbox(fig.canvas.get_renderer())  # inches, after layout
+    drawn = fig.get_tightbbox()  # inches, after layout (works for pyplot figures and bare Figure() alike)
     width, height = fig.get_size_inches()
     fig.text(drawn.x0 / width, drawn.y0 / height - 0.01, stamp_text(provenance), fontsize=6, color="0.4",
              ha="left", va="top")
