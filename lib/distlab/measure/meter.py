@@ -51,15 +51,15 @@ class Meter:
 
     def watch_torch_pipeline(self, strategy, pp_stage, schedule) -> None:
         if self.comm:
-            from distlab.measure.pipeline_trace import (
-                trace_torch_pipeline,  # deferred: loads torch's pipelining and matplotlib
-            )
+            # deferred: the trace's analysis loads pandas, which every rank would otherwise carry in its measured RSS
+            from distlab.measure.pipeline_trace import trace_torch_pipeline
 
             self._sources.append(trace_torch_pipeline(strategy, pp_stage, schedule))
 
     def watch_deepspeed_pipeline(self, strategy, engine, instructions: dict) -> None:
         if self.comm:
-            from distlab.measure.pipeline_trace import trace_deepspeed_pipeline  # deferred: imports DeepSpeed
+            # deferred: as in watch_torch_pipeline (pandas kept out of runs that record no timeline)
+            from distlab.measure.pipeline_trace import trace_deepspeed_pipeline
 
             self._sources.append(trace_deepspeed_pipeline(strategy, engine, instructions))
 
