@@ -38,7 +38,6 @@ INFO_FIELDS = ("hostname", "devices", "device_count", "cpu_model", "torch_num_th
 FAKE_RANK1_ENV = "DISTLAB_FINGERPRINT_FAKE_RANK1"  # test knob, see workers/fingerprint.py
 
 # The backend the tutorial's ranks use on a device (notebook 00 prints it): distlab.device decides.
-tutorial_backend = backend_for
 
 
 # ---------------------------------------------------------------- versions and hardware

@@ -31,9 +31,7 @@ _REGISTRY = {
     "ds_pipeline": "ds_pipeline:DeepSpeedPipelineStrategy",
 }
 STRATEGY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-STRATEGIES = STRATEGY_NAMES  # the name notebooks and older code use
 PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
-SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp", "zero2", "zero3")  # state partitioned over data-parallel ranks
 
 
 def strategy_class(name: str):

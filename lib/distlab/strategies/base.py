@@ -112,7 +112,7 @@ class Strategy:
         local = 0.0
         for i, batch in enumerate(micro_batches):
             with self.sync_context(model, sync=(i == len(micro_batches) - 1)):
-                with autocast(choice):
+                with self.forward_context(choice):
                     loss_sum = model(**model_inputs(batch, choice.device))
                 (loss_sum * scale).backward()
             local += loss_sum.item() / global_label_tokens
@@ -122,13 +122,10 @@ class Strategy:
         """Context for one micro-step; `sync=False` lets data parallelism skip the gradient sync."""
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, model, max_grad_norm: float) -> float:
-        """Clip to the global gradient norm; return the norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
-
     def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
-        grad_norm = self.clip_grad_norm(model, max_grad_norm)
+        """Clip to the global gradient norm, step, schedule, zero the grads; return the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
         optimizer.step()
         self.meter.state_point(model, optimizer)  # gradients and AdamW moments both exist here
         scheduler.step()
