@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Make sure the Debian packages the test suite drives for real are installed: chromium (the book's
-# site check, through Playwright, never Playwright's own browser download) and shellcheck (lints
-# every generated launch script). Idempotent: a program already present is left alone.
+# site check, through Playwright, never Playwright's own browser download), shellcheck (lints
+# every generated launch script), iproute2 (ip and tc: chapter 05's emulated LAN hosts) and
+# slurm-wlm with munge (chapter 06's real Slurm cluster).
+# Idempotent: a program already present is left alone.
 #   tools/ensure_debian_packages.sh                      # the defaults below
 #   tools/ensure_debian_packages.sh shellcheck:shellcheck  # PROGRAM:PACKAGE pairs
 # PROGRAM is a command name or an absolute path. Exit 1, with the reason, when one cannot be had.
 set -euo pipefail
 
 if [[ $# -eq 0 ]]; then
-    set -- "${CHROMIUM:-/usr/bin/chromium}:chromium" "shellcheck:shellcheck"
+    set -- "${CHROMIUM:-/usr/bin/chromium}:chromium" "shellcheck:shellcheck" \
+        "ip:iproute2" "tc:iproute2" "nsenter:util-linux" \
+        "slurmctld:slurm-wlm" "slurmd:slurm-wlm" "sbatch:slurm-client" "munged:munge"
 fi
 
 present() {
