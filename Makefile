@@ -7,11 +7,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.distlab-installed
 PROFILE ?= cpu
 PYTEST_ARGS ?=
+# FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
+REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
 .PHONY: all env test lint book notebooks site lock clean help deepspeed-op
 
 help:
-	@echo "make book   - set up, run every notebook (papermill), build the Jupyter Book site"
+	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
+	@echo "              (FORCE=1: run every notebook; PROFILE=gpu|quick: another parameter profile)"
 	@echo "make test   - set up, lint (ruff), run the test suite"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
 
@@ -41,7 +44,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 notebooks: $(STAMP) deepspeed-op
-	$(PY) -m distlab.publish.regenerate --profile $(PROFILE)
+	$(PY) -m distlab.publish.regenerate $(REGEN_ARGS)
 
 site: $(STAMP)
 	$(PY) -m distlab.publish.book --check --fetch-mathjax
@@ -49,7 +52,7 @@ site: $(STAMP)
 # The site is built (and checked in a headless browser) even when a notebook fails, so the
 # failure can be inspected; the target still fails.
 book: $(STAMP) deepspeed-op
-	@rc=0; $(PY) -m distlab.publish.regenerate --profile $(PROFILE) || rc=$$?; \
+	@rc=0; $(PY) -m distlab.publish.regenerate $(REGEN_ARGS) || rc=$$?; \
 	$(PY) -m distlab.publish.book --check --fetch-mathjax || rc=$$?; exit $$rc
 
 lock:

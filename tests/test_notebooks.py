@@ -22,7 +22,7 @@ def executed(tmp_path_factory):
     out, figures, work = root / "notebooks", root / "figures", root / "work"
     proc = subprocess.run([sys.executable, "-m", "distlab.publish.regenerate", "--profile", "quick",
                            "--out-dir", str(out), "--figures-dir", str(figures), "--work-dir", str(work),
-                           "--timeout-s", "900"],
+                           "--timeout-s", "900", "--force", "--cache-dir", str(root / "cache")],
                           capture_output=True, text=True, timeout=2400)
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0, f"regenerate failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

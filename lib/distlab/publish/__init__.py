@@ -6,5 +6,9 @@
                python -m distlab.publish.book [--check]
   datagen      the helpdesk dataset, generated from the tables in data/generator/:
                python -m distlab.publish.datagen [--check]
-  provenance   device, model, world size, commit and date stamped on every figure, table and run
+               (incremental: a chapter whose inputs did not change is not executed again; --force)
+  profiles     notebooks/profiles.yaml: which parameters each chapter gets under each profile
+  freshness    the digest of a chapter's inputs, the stale-output check and the incremental build's cache:
+               python -m distlab.publish.freshness check
+  provenance   device, model, world size, commit, date and inputs digest stamped on every figure and table
 """

@@ -82,6 +82,11 @@ def stamp(model: str, world_size: int | str, device: str | None = None, **extra:
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    # Set by python -m distlab.publish.regenerate: which chapter under which profile drew this, from
+    # which inputs (distlab.publish.freshness), so a committed output can be checked against the tree.
+    for key, var in (("chapter", "DISTLAB_CHAPTER"), ("profile", "DISTLAB_PROFILE"), ("inputs", "DISTLAB_INPUTS")):
+        if os.environ.get(var):
+            rec[key] = os.environ[var]
     rec.update(extra)
     return rec
 

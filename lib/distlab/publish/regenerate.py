@@ -47,10 +47,10 @@ import yaml
 
 from distlab import paths
 from distlab.launch import runner
+from distlab.publish.freshness import ChapterCache, chapter_inputs
+from distlab.publish.profiles import DEFAULT_PROFILE, NOTEBOOK_RE, discover, load_profiles, parameters_for
 from distlab.publish.provenance import git_commit
 
-NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
-DEFAULT_PROFILE = "cpu"
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_KERNEL = "python3"
 HEARTBEAT_S = 60.0  # a "still running" line this often while a notebook runs
@@ -101,74 +101,12 @@ class NotebookResult:
     ignored_parameters: list[str] = field(default_factory=list)
     failing_cell: CellFailure | None = None
     message: str = ""
+    inputs: str = ""  # the chapter's inputs digest (distlab.publish.freshness.chapter_inputs)
+    cached: bool = False  # True: the inputs matched the last execution, which was reused
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
-
-
-# ----------------------------------------------------------------------------- profiles
-
-
-def discover(notebooks_dir: str | Path, only: Iterable[str] | None = None) -> list[Path]:
-    """The `NN_*.ipynb` notebooks of a folder in numeric order, optionally only those selected
-    by number ("01", "1") or stem ("01_single_device_baseline")."""
-    notebooks_dir = Path(notebooks_dir)
-    found = sorted(
-        (p for p in notebooks_dir.glob("*.ipynb") if NOTEBOOK_RE.match(p.name)),
-        key=lambda p: (int(NOTEBOOK_RE.match(p.name).group(1)), p.name),
-    )
-    if only is None:
-        return found
-    wanted = list(only)
-    picked = [p for p in found if any(_selects(w, p) for w in wanted)]
-    missing = [w for w in wanted if not any(_selects(w, p) for p in found)]
-    if missing:
-        raise ValueError(f"--only {' '.join(missing)}: no such notebook in {notebooks_dir} "
-                         f"(have: {', '.join(p.stem for p in found) or 'none'})")
-    return picked
-
-
-def _selects(key: str, nb: Path) -> bool:
-    key = key.removesuffix(".ipynb")
-    number = NOTEBOOK_RE.match(nb.name).group(1)
-    return key == nb.stem or (key.isdigit() and int(key) == int(number))
-
-
-def load_profiles(path: str | Path | None) -> dict[str, dict[str, dict[str, Any]]]:
-    """Read a profiles file: {profile: {"*" | "NN" | stem: {param: value}}}. A missing file is {}."""
-
-    if path is None or not Path(path).exists():
-        return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of profile names")
-    for name, body in data.items():
-        body = body or {}
-        if not isinstance(body, dict) or not all(isinstance(v or {}, dict) for v in body.values()):
-            raise ValueError(f"{path}: profile {name!r} must map '*', 'NN' or a notebook stem "
-                             "to a mapping of parameters")
-        data[name] = {str(k): dict(v or {}) for k, v in body.items()}
-    return data
-
-
-def parameters_for(profiles: dict, profile: str, notebook: str | Path) -> dict[str, Any]:
-    """The parameters of one notebook under a profile: "*" first, then "NN", then the stem."""
-    if profile not in profiles:
-        if profile == DEFAULT_PROFILE:
-            return {}  # the default profile may be left out: notebook defaults are the CPU ones
-        raise KeyError(f"unknown profile {profile!r} (have: {', '.join(profiles) or 'none'})")
-    body = profiles[profile]
-    stem = Path(notebook).stem
-    m = NOTEBOOK_RE.match(Path(notebook).name)
-    keys = ["*"]
-    if m:
-        keys += sorted((k for k in body if k.isdigit() and int(k) == int(m.group(1))), key=len)
-    keys.append(stem)
-    params: dict[str, Any] = {}
-    for k in keys:
-        params.update(body.get(k, {}))
-    return params
 
 
 # ----------------------------------------------------------------------------- failures
@@ -451,12 +389,19 @@ def regenerate(
     kernel: str | None = DEFAULT_KERNEL,
     verbose: bool = False,
     stream: TextIO | None = None,
+    force: bool = False,
+    cache_dir: str | Path | None = None,
 ) -> list[NotebookResult]:
     """Run the notebooks in order; return one NotebookResult each (failures do not stop the rest).
 
     Executed copies that succeeded go to `out_dir` (default book/notebooks); failed ones to
     `work_dir`/failed (default build/regenerate/failed), with logs and summary.json in `work_dir`.
-    `figures_dir` (exported as DISTLAB_FIGURES to the notebooks) redirects figures and tables."""
+    `figures_dir` (exported as DISTLAB_FIGURES to the notebooks) redirects figures and tables.
+
+    Incremental: a chapter whose inputs digest (notebook code cells, library, data, lock, profile
+    parameters) matches its last successful execution in `cache_dir` (default build/notebook_cache) is
+    not executed again: its executed copy gets the notebook's current prose and its outputs are restored
+    where they differ. `force` executes every selected chapter."""
     stream = stream or sys.stdout
     notebooks_dir = Path(notebooks_dir or paths.NOTEBOOKS_DIR).resolve()
     out_dir = Path(out_dir or paths.BOOK_DIR / "notebooks").resolve()
@@ -483,6 +428,8 @@ def regenerate(
     env = {"DISTLAB_PROFILE": profile}
     if figures_dir is not None:
         env["DISTLAB_FIGURES"] = str(Path(figures_dir).resolve())
+    outputs_dir = Path(figures_dir or paths.FIGURES_DIR).resolve()
+    cache = ChapterCache(cache_dir)
     started = _dt.datetime.now(_dt.timezone.utc)
     t0 = time.monotonic()
     if not notebooks:
@@ -490,15 +437,29 @@ def regenerate(
     results: list[NotebookResult] = []
     for i, nb in enumerate(notebooks, 1):
         params = parameters_for(profiles, profile, nb)
+        digest = chapter_inputs(nb, profile, params)
         executing = work_dir / "executing" / nb.name
         log_path = work_dir / "logs" / f"{nb.stem}.log"
+        failed_copy = work_dir / "failed" / nb.name
+        book_copy = out_dir / nb.name
+        if not force and cache.lookup(nb.stem, digest):
+            restored = cache.restore(nb.stem, nb, book_copy, outputs_dir)
+            failed_copy.unlink(missing_ok=True)
+            results.append(NotebookResult(name=nb.stem, source=str(nb), status="ok", elapsed_s=0.0,
+                                          executed=str(book_copy), log=str(log_path), parameters=params,
+                                          inputs=digest, cached=True))
+            stream.write(f"[{i}/{len(notebooks)}] {nb.stem} ... unchanged inputs {digest}: not executed "
+                         f"({len(restored)} output(s) restored from the cache)\n")
+            continue
         progress = _Progress(f"[{i}/{len(notebooks)}] {nb.stem}", stream, verbose,
                              cell_name=source_cell_namer(nb, params))
         progress.open()
+        before = cache.watch(outputs_dir)
         try:
             run, failure = run_notebook(
-                nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s,
-                log_path=log_path, env=env, kernel=kernel, echo=progress, params_dir=work_dir / "params",
+                nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s, log_path=log_path,
+                env={**env, "DISTLAB_CHAPTER": nb.name.split("_", 1)[0], "DISTLAB_INPUTS": digest},
+                kernel=kernel, echo=progress, params_dir=work_dir / "params",
             )
         except BaseException:
             progress.close("interrupted")
@@ -506,11 +467,10 @@ def regenerate(
         res = NotebookResult(
             name=nb.stem, source=str(nb), status="ok", elapsed_s=round(run.elapsed_s, 1),
             executed=None, log=str(log_path), parameters=params,
-            ignored_parameters=list(progress.ignored), failing_cell=failure,
+            ignored_parameters=list(progress.ignored), failing_cell=failure, inputs=digest,
         )
-        failed_copy = work_dir / "failed" / nb.name
-        book_copy = out_dir / nb.name
         if run.ok:
+            cache.store(nb.stem, digest, profile, executing, outputs_dir, before)
             shutil.move(executing, book_copy)
             failed_copy.unlink(missing_ok=True)
             res.executed = str(book_copy)
@@ -590,6 +550,10 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"per-notebook time limit in seconds (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--kernel", default=DEFAULT_KERNEL,
                     help="Jupyter kernel name (default python3, this virtual environment's)")
+    ap.add_argument("--force", action="store_true",
+                    help="execute every selected notebook, even those whose inputs match the last execution")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help=f"the incremental build's cache (default {paths.BUILD_DIR / 'notebook_cache'})")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="stream papermill's output (cell outputs included) instead of progress lines")
     return ap
@@ -606,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile=args.profile, only=args.only, notebooks_dir=args.notebooks_dir,
             out_dir=args.out_dir, work_dir=args.work_dir, profiles_file=args.profiles_file,
             figures_dir=args.figures_dir, timeout_s=args.timeout_s, kernel=args.kernel or None,
-            verbose=args.verbose,
+            verbose=args.verbose, force=args.force, cache_dir=args.cache_dir,
         )
     except (KeyError, ValueError) as exc:
         print(f"regenerate: {exc.args[0] if exc.args else exc}", file=sys.stderr)
@@ -616,8 +580,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     bad = [r for r in results if not r.ok]
     total = sum(r.elapsed_s for r in results)
-    print(f"regenerate: {len(results) - len(bad)} ok, {len(bad)} not ok "
-          f"(profile {args.profile}, {total:.1f}s)", flush=True)
+    cached = sum(r.cached for r in results)
+    print(f"regenerate: {len(results) - len(bad)} ok ({len(results) - len(bad) - cached} executed, {cached} "
+          f"unchanged), {len(bad)} not ok (profile {args.profile}, {total:.1f}s)", flush=True)
     if bad:
         for r in bad:
             print(f"\n{r.status.upper()}: {r.message}", file=sys.stderr)
