@@ -10,13 +10,14 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test lint book notebooks site lock clean help deepspeed-op
+.PHONY: all env test lint book notebooks site publish lock clean help deepspeed-op
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
 	@echo "              (FORCE=1: run every notebook; PROFILE=gpu|quick: another parameter profile)"
 	@echo "make test   - set up, lint (ruff), run the test suite"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
+	@echo "make publish REMOTE=... - push the built site to REMOTE's gh-pages branch (ghp-import)"
 
 env: $(STAMP)
 
@@ -55,10 +56,16 @@ book: $(STAMP) deepspeed-op
 	@rc=0; $(PY) -m distlab.publish.regenerate $(REGEN_ARGS) || rc=$$?; \
 	$(PY) -m distlab.publish.book --check --fetch-mathjax || rc=$$?; exit $$rc
 
+# Push book/_build/html to the gh-pages branch of REMOTE (a remote name, URL or bare repository path) with
+# ghp-import; refused while any committed figure is stale or was drawn from a dirty tree.
+publish: $(STAMP)
+	@test -n "$(REMOTE)" || { echo "make publish REMOTE=<remote name, URL or path>"; exit 2; }
+	$(PY) -m distlab.publish.pages --remote "$(REMOTE)"
+
 lock:
 	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
 	build/lockenv/bin/pip install -q "torch==2.13.0"
-	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest ruff trl playwright nbformat nbclient kubernetes-validate
+	build/lockenv/bin/pip install -q -c <(echo torch==2.13.0) -e ".[deepspeed,notebooks]" pytest ruff trl playwright nbformat nbclient kubernetes-validate ghp-import
 	build/lockenv/bin/python tools/write_lock.py build/lockenv
 
 clean:

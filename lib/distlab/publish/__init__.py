@@ -10,5 +10,7 @@
   profiles     notebooks/profiles.yaml: which parameters each chapter gets under each profile
   freshness    the digest of a chapter's inputs, the stale-output check and the incremental build's cache:
                python -m distlab.publish.freshness check
+  pages        the built site pushed to a gh-pages branch with ghp-import, refused when outputs are stale:
+               python -m distlab.publish.pages --remote REMOTE   (make publish REMOTE=...)
   provenance   device, model, world size, commit, date and inputs digest stamped on every figure and table
 """
