@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import yaml
 
 from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
+from distlab.strategies import STRATEGY_NAMES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -76,6 +79,11 @@ class TrainConfig:
     save_model: bool = True
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        # Built in code (a notebook, a test) the values are checked too; from_dict checks first, naming the source.
+        for name in FIELDS:
+            setattr(self, name, check_field(name, getattr(self, name), "TrainConfig"))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -99,30 +107,215 @@ class TrainConfig:
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
-def from_dict(values: dict[str, Any], source: str = "config") -> TrainConfig:
+class ConfigError(ValueError):
+    """A config value that cannot be used: the message names its source (file:line or --set), the field,
+    the value and what is accepted."""
+
+
+# ----------------------------------------------------------------------------- types and ranges
+# YAML 1.1 reads `2e-4` (no dot) as a string, and `--set` values arrive as YAML: every value is converted
+# to its field's declared type here, so lr=2e-4 is the float every user means, and max_steps=abc fails now,
+# not deep in the loop.
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def _to_int(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            v = _to_float(v)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return int(v)
+    raise TypeError("an integer")
+
+
+def _to_float(v: Any) -> float:
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            raise TypeError("a number") from None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    raise TypeError("a finite number")
+
+
+def _to_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (str, int)) and str(v).strip().lower() in _TRUE | _FALSE:
+        return str(v).strip().lower() in _TRUE
+    raise TypeError("true or false")
+
+
+def _to_str(v: Any) -> str:
+    if isinstance(v, (str, Path)):
+        return str(v)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):  # output_dir: 2024 means the folder "2024"
+        return str(v)
+    raise TypeError("a string")
+
+
+def _to_list(item):
+    def convert(v: Any) -> list:
+        if isinstance(v, str):  # --set lora_targets=q_proj,v_proj
+            v = [part for part in (p.strip() for p in v.split(",")) if part]
+        if not isinstance(v, (list, tuple)):
+            raise TypeError("a list")
+        return [item(x) for x in v]
+    return convert
+
+
+_CONVERT = {"int": _to_int, "float": _to_float, "bool": _to_bool, "str": _to_str,
+            "list[str]": _to_list(_to_str), "list[int]": _to_list(_to_int)}
+
+
+def _at_least(n):
+    return lambda v: v >= n, f">= {n}"
+
+
+def _positive():
+    return lambda v: v > 0, "> 0"
+
+
+def _one_of(*names):
+    return lambda v: v in names, "one of " + ", ".join(names)
+
+
+def _known_model(v: str) -> bool:
+    """A folder holding a model, a known preset name, or a plausible hub id (owner/name)."""
+    if Path(v).expanduser().is_dir():
+        if not (Path(v).expanduser() / "config.json").is_file():
+            raise TypeError(f"the folder {v} holds no config.json (not a saved model)")
+        return True
+    from distlab import models  # deferred: torch and transformers only when a model name needs checking
+
+    presets = {models.DEFAULT_MODEL, *models.RANDOM_PRESETS, *getattr(models, "MODEL_PRESETS", {})}
+    if v in presets:
+        return True
+    if v.startswith(("/", ".", "~")) or v.count("/") > 1:
+        raise TypeError(f"no such folder {v} (and not a hub id of the form owner/name, nor a preset: "
+                        f"{', '.join(sorted(presets))})")
+    if not _HUB_ID.fullmatch(v) or "--" in v or ".." in v:
+        raise TypeError(f"neither an existing folder, nor a hub id of the form owner/name, nor a preset "
+                        f"({', '.join(sorted(presets))})")
+    return True
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+
+# field -> (test, what is accepted); a field not listed is only converted to its type
+RULES = {
+    "model": (_known_model, "an existing model folder, a hub id owner/name, or a preset name"),
+    "attn_implementation": _one_of("varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                   "flex_attention"),
+    "seq_len": _at_least(1), "overlong": _one_of("truncate", "reject", "error"),
+    "lora_r": _at_least(1), "lora_alpha": _positive(), "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "lora_targets": (lambda v: len(v) > 0, "a non-empty list of module names"),
+    "micro_batch_size": _at_least(1), "grad_accum": _at_least(1), "global_batch_size": _at_least(1),
+    "max_steps": _at_least(1), "lr": _positive(), "weight_decay": _at_least(0), "warmup_steps": _at_least(0),
+    "max_grad_norm": _positive(), "seed": _at_least(0),
+    "strategy": _one_of(*STRATEGY_NAMES),
+    "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
+    "dtype": _one_of("auto", "fp32", "bf16-autocast", "bf16", "fp16-autocast"),
+    "num_threads": _at_least(1), "collective_timeout_s": _at_least(1),
+    "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe"),
+    "stage_layers": (lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of layer counts >= 1"),
+    "checkpoint_steps": _at_least(0), "keep_checkpoints": _at_least(1),
+    "output_dir": (lambda v: v.strip() != "", "a folder path"), "logging_steps": _at_least(1),
+}
+
+
+def _accepted(name: str) -> str:
+    kind = str(FIELDS[name].type)
+    optional = kind.endswith(" | None")
+    base = kind.removesuffix(" | None")
+    rule = RULES.get(name, (None, ""))[1]
+    text = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+            "list[str]": "a list of strings", "list[int]": "a list of integers"}.get(base, base)
+    text = f"{text} {rule}" if rule.startswith((">", "in ")) else (rule or text)  # "an integer >= 1"
+    return text + (", or null" if optional else "")
+
+
+def check_field(name: str, value: Any, source: str = "config") -> Any:
+    """`value` converted to field `name`'s declared type and checked against its range; ConfigError if not."""
+    kind = str(FIELDS[name].type)
+    if value is None or (kind.endswith(" | None") and isinstance(value, str) and value.strip().lower() in
+                         ("null", "none", "~", "")):
+        if kind.endswith(" | None"):
+            return None
+        raise ConfigError(f"{source}: {name}=None is not accepted: expected {_accepted(name)}")
+    convert = _CONVERT.get(kind.removesuffix(" | None"))
+    try:
+        converted = convert(value) if convert else value
+        test = RULES.get(name)
+        if test and not test[0](converted):
+            raise TypeError(_accepted(name))
+    except TypeError as e:
+        if name == "model":  # which of folder / hub id / preset it failed to be
+            raise ConfigError(f"{source}: model={value!r}: {e}") from None
+        raise ConfigError(f"{source}: {name}={value!r} is not accepted: expected {_accepted(name)}") from None
+    return converted
+
+
+def from_dict(values: dict[str, Any], source: str = "config", sources: dict[str, str] | None = None) -> TrainConfig:
+    """A TrainConfig from field values; `sources` names where each value came from (else `source`)."""
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:
-        raise ValueError(f"{source}: unknown field(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
-    return TrainConfig(**values)
+        where = (sources or {}).get(unknown[0], source)
+        where = source if where.startswith(source) else where  # the file, not a line: the key is the mistake
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    checked = {k: check_field(k, v, (sources or {}).get(k, source)) for k, v in values.items()}
+    return TrainConfig(**checked)
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+def _key_lines(text: str) -> dict[str, int]:
+    """field -> line (1-based) in a YAML mapping, for messages that point at the line."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
+                override_source: str = "--set") -> TrainConfig:
     path = Path(path)
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+    try:
+        values = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
-        raise ValueError(f"{path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
+        raise ConfigError(f"{path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
+    lines = _key_lines(text)
+    sources = {k: f"{path}:{lines[k]}" if k in lines else str(path) for k in values}
+    sources.update({k: override_source for k in overrides or {}})
     values.update(overrides or {})
-    return from_dict(values, source=str(path))
+    return from_dict(values, source=str(path), sources=sources)
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` from the command line; the value is read as YAML (numbers, bools, lists)."""
+    """`key=value` from the command line; the value is read as YAML (numbers, bools, lists), then converted
+    to the field's type when the config is built."""
     if "=" not in text:
-        raise ValueError(f"--set {text!r}: expected key=value")
+        raise ConfigError(f"--set {text!r}: expected key=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    key = key.strip()
+    if key not in FIELDS:
+        raise ConfigError(f"--set {text!r}: unknown field {key!r}; known: {', '.join(FIELDS)}")
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return key, raw  # a plain string the field's check will judge
