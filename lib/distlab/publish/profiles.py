@@ -30,15 +30,15 @@ def discover(notebooks_dir: str | Path, only: Iterable[str] | None = None) -> li
     if only is None:
         return found
     wanted = list(only)
-    picked = [p for p in found if any(_selects(w, p) for w in wanted)]
-    missing = [w for w in wanted if not any(_selects(w, p) for p in found)]
+    picked = [p for p in found if any(selects(w, p) for w in wanted)]
+    missing = [w for w in wanted if not any(selects(w, p) for p in found)]
     if missing:
         raise ValueError(f"--only {' '.join(missing)}: no such notebook in {notebooks_dir} "
                          f"(have: {', '.join(p.stem for p in found) or 'none'})")
     return picked
 
 
-def _selects(key: str, nb: Path) -> bool:
+def selects(key: str, nb: Path) -> bool:
     key = key.removesuffix(".ipynb")
     number = NOTEBOOK_RE.match(nb.name).group(1)
     return key == nb.stem or (key.isdigit() and int(key) == int(number))
