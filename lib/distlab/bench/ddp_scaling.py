@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
+from distlab.cli import run_main
 from distlab.launch.jobs import launch_training
 from distlab.results import schema
 
@@ -54,4 +54,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

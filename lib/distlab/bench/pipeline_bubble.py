@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
+from distlab.cli import run_main
 from distlab.measure.bubble import balanced_bench_model, bubble_sweep
 
 
@@ -64,4 +64,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conversations
 from distlab.launch.runner import python_module_cmd, run
@@ -235,4 +235,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

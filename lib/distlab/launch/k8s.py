@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from distlab.cli import run_main
 from distlab.launch import kubecheck, kubecollect
 from distlab.launch.kubernetes import NAMESPACE
 
@@ -35,4 +36,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 import yaml
 
 from distlab import paths
+from distlab.cli import run_main
 from distlab.launch import runner
 
 NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
@@ -791,4 +792,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

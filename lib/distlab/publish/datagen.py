@@ -35,6 +35,7 @@ import argparse
 import itertools
 import json
 import random
+import re
 import statistics
 import string
 import sys
@@ -44,6 +45,7 @@ from typing import Callable, NamedTuple
 
 import yaml
 
+from distlab.cli import run_main
 from distlab.paths import DATA_DIR, REPO_ROOT
 
 SEED = 1234
@@ -53,7 +55,10 @@ FILES = {
     "eval": "data/support/eval.jsonl",
     "prompts": "data/prompts/demo_prompts.jsonl",
     "readme": "data/README.md",
+    "pretrain": "data/pretrain/corpus.jsonl",
 }
+PRETRAIN_ROWS_PER_INTENT = 64  # of the other company's rows, sampled from all phrasings and values
+PRETRAIN_GENERAL_REPEATS = 4  # each general entry, in every phrasing, with and without a system prompt
 
 TRAIN_ROWS = 720
 EVAL_ROWS = 120
@@ -78,6 +83,9 @@ SHAPES = {
     "entities.yaml": {"*": {"values": [(str, int)], "heldout": [(str, int)]}},
     "rules.yaml": {"*": {"*": [{"above?": int, "text": str}]}},
     "topics/*.yaml": {"escalation": str, "intents": [{"name": str, "phrasings": [str], "answer": str}]},
+    "other_company.yaml": {"company": str, "names": {"*": str}, "facts": {"*": str},
+                           "thresholds": {"*": {"*": int}}},
+    "general.yaml": {"entries": [{"phrasings": [str], "answer": str}]},
 }
 
 
@@ -95,6 +103,24 @@ class Topic(NamedTuple):
     path: Path
 
 
+class Other(NamedTuple):
+    """The other company (other_company.yaml): Acme text -> its text, facts first, and its thresholds."""
+    company: str
+    facts: dict[str, str]
+    names: dict[str, str]
+    thresholds: dict[str, dict[int, int]]
+    pattern: re.Pattern  # every key, longest first, one alternation
+
+    def swap(self, text: str, found: list[str] | None = None, replace: bool = True) -> str:
+        """Text with every key replaced (`replace=False`: unchanged); appends the fact keys met to `found`."""
+        def one(match: re.Match) -> str:
+            key = match.group(0)
+            if found is not None and key in self.facts and key not in found:
+                found.append(key)
+            return (self.facts.get(key) or self.names[key]) if replace else key
+        return self.pattern.sub(one, text)
+
+
 class Tables(NamedTuple):
     topics: tuple[Topic, ...]  # in shared.yaml's order, which is also the sampling order
     slot_values: dict[str, tuple]
@@ -104,6 +130,8 @@ class Tables(NamedTuple):
     follow_ups: tuple[str, ...]
     demo_intents: tuple[str, ...]  # intents whose unused held-out combinations become the demo prompts
     directory: Path
+    other: Other  # the other company, for the base model's pretraining corpus and the key facts
+    general: tuple[tuple[tuple[str, ...], str], ...]  # (phrasings, answer) of general IT text
 
 
 class TableError(ValueError):
@@ -208,9 +236,21 @@ def load_tables(directory: Path = TABLES_DIR) -> Tables:
         system_prompts=tuple(shared["system_prompts"]),
         follow_ups=tuple(shared["follow_ups"]),
         demo_intents=tuple(shared["demo_intents"]),
-        directory=directory)
+        directory=directory,
+        other=_load_other(directory / "other_company.yaml"),
+        general=tuple((tuple(e["phrasings"]), e["answer"])
+                      for e in _read(directory / "general.yaml", SHAPES["general.yaml"])["entries"]))
     _validate_tables(tables)
     return tables
+
+
+def _load_other(path: Path) -> Other:
+    doc = _read(path, SHAPES["other_company.yaml"])
+    facts, names = {str(k): v for k, v in doc["facts"].items()}, {str(k): v for k, v in doc["names"].items()}
+    both = sorted({**names, **facts}, key=len, reverse=True)
+    pattern = re.compile("|".join(re.escape(k) for k in both))
+    thresholds = {slot: {int(a): int(b) for a, b in m.items()} for slot, m in doc["thresholds"].items()}
+    return Other(doc["company"], facts, names, thresholds, pattern)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,20 +269,27 @@ def _words(*texts: str) -> int:
     return sum(len(t.split()) for t in texts)
 
 
-def _derived(slot: str, value: int, tables: Tables) -> dict[str, str]:
-    """The answer fields rules.yaml computes from one slot value: per field, the first case it is above."""
-    fields = {}
+def _derived(slot: str, value: int, tables: Tables, other: bool, facts: list[str]) -> dict[str, str]:
+    """The answer fields rules.yaml computes from one slot value: per field, the first case it is above
+    (with `other`, the other company's thresholds and text)."""
+    fields, moved = {}, tables.other.thresholds.get(slot, {}) if other else {}
     for field, cases in tables.rules.get(slot, {}).items():
-        above, text = next((above, text) for above, text in cases if above is None or value > above)
+        above, text = next((moved.get(above, above), text) for above, text in cases
+                           if above is None or value > moved.get(above, above))
+        text = tables.other.swap(text, facts, replace=other)  # before filling: slot values are never facts
         fields[field] = text.format(**{slot: value, "excess": value - (above or 0)})
     return fields
 
 
-def _render(intent: Intent, phrasing: int, values: tuple, tables: Tables) -> tuple[str, str]:
-    context = dict(zip(_slots(intent), values))
+def _render(intent: Intent, phrasing: int, values: tuple, tables: Tables,
+            other: bool = False) -> tuple[str, str, tuple[str, ...]]:
+    """(prompt, answer, key facts): the facts are the other_company.yaml keys in the answer's template and
+    rule texts, which `other=True` replaces with the other company's."""
+    context, facts = dict(zip(_slots(intent), values)), []
     for slot, value in list(context.items()):
-        context.update(_derived(slot, value, tables))
-    return intent.phrasings[phrasing].format(**context), intent.answer.format(**context)
+        context.update(_derived(slot, value, tables, other, facts))
+    answer = tables.other.swap(intent.answer, facts, replace=other).format(**context)
+    return intent.phrasings[phrasing].format(**context), answer, tuple(facts)
 
 
 def _candidates(intent: Intent, tables: Tables) -> list[tuple[int, tuple]]:
@@ -291,6 +338,7 @@ def _validate_tables(tables: Tables) -> None:
                     raise TableError(rules_path, where, "text", f"unknown field {{{min(names - allowed)}}}: "
                                      f"a case can use {{{slot}}} and, with `above`, {{excess}}")
 
+    _validate_other(tables)
     longest_system = max(_words(s) for s in tables.system_prompts)
     topic_of: dict[str, str] = {}  # intent name -> topic
     seen: dict[str, tuple] = {}  # rendered prompt -> (intent, values)
@@ -304,6 +352,34 @@ def _validate_tables(tables: Tables) -> None:
     for i, name in enumerate(tables.demo_intents):
         if name not in topic_of:
             raise TableError(shared_path, None, f"demo_intents[{i}]", f"no intent named {name!r}")
+
+
+def _validate_other(tables: Tables) -> None:
+    """Before-accuracy is only low if the other company never states an Acme fact, and a fact key that no
+    template uses is a typo."""
+    path, other = tables.directory / "other_company.yaml", tables.other
+    keys = {k.casefold(): k for k in other.facts}
+    for key, value in {**other.facts, **other.names}.items():
+        clash = next((k for folded, k in keys.items() if folded in value.casefold()), None)
+        if clash:
+            raise TableError(path, key, "facts", f"the other company's {value!r} states Acme's fact {clash!r}")
+    for phrasings, answer in tables.general:
+        clash = next((k for folded, k in keys.items() if folded in answer.casefold()), None)
+        if clash:
+            raise TableError(tables.directory / "general.yaml", phrasings[0], "answer", f"states Acme's fact {clash!r}")
+    used: list[str] = []
+    texts = [i.answer for t in tables.topics for i in t.intents] + [t.escalation for t in tables.topics]
+    texts += [text for fields in tables.rules.values() for cases in fields.values() for _, text in cases]
+    for text in texts:
+        other.swap(text, used)
+    unused = sorted(set(other.facts) - set(used))
+    if unused:
+        raise TableError(path, unused[0], "facts", "no answer, escalation or rule text contains this key")
+    for slot, moved in other.thresholds.items():
+        known = {above for cases in tables.rules.get(slot, {}).values() for above, _ in cases if above is not None}
+        if not set(moved) <= known:
+            raise TableError(path, slot, "thresholds", f"{sorted(set(moved) - known)} are not thresholds of "
+                                                       f"rules.yaml's {slot} (those are {sorted(known)})")
 
 
 def _validate_intent(topic: Topic, intent: Intent, tables: Tables, longest_system: int, seen: dict) -> None:
@@ -329,7 +405,7 @@ def _validate_intent(topic: Topic, intent: Intent, tables: Tables, longest_syste
         raise fail("answer", f"unknown slot {{{unknown[0]}}}: the phrasings' slots are {sorted(slots)} and the "
                              f"fields rules.yaml derives from them {sorted(derived)}")
     for phrasing, values in _candidates(intent, tables):
-        prompt, answer = _render(intent, phrasing, values, tables)
+        prompt, answer, _ = _render(intent, phrasing, values, tables)
         if seen.setdefault(prompt, (intent.name, values)) != (intent.name, values):
             raise fail(f"phrasings[{phrasing}]", f"renders {prompt!r}, as intent {seen[prompt][0]} does "
                                                  "with another answer")
@@ -349,6 +425,7 @@ class Example(NamedTuple):
     intent: str
     prompt: str
     answer: str
+    facts: tuple[str, ...]
     escalation: str
 
 
@@ -412,17 +489,47 @@ def _row(row_id: str, ex: Example, fmt: str, rng: random.Random, tables: Tables)
         return {**row, "prompt": ex.prompt, "response": ex.answer}
     if fmt == "question":
         return {**row, "question": ex.prompt, "answer": ex.answer}
+    return {**row, "messages": _messages(ex, rng, tables.system_prompts, tables.follow_ups)}
+
+
+def _messages(ex: Example, rng: random.Random, system_prompts, follow_ups) -> list[dict]:
     messages = []
     if rng.random() < SYSTEM_SHARE:
-        messages.append({"role": "system", "content": rng.choice(tables.system_prompts)})
+        messages.append({"role": "system", "content": rng.choice(system_prompts)})
     messages += [{"role": "user", "content": ex.prompt},
                  {"role": "assistant", "content": ex.answer}]
     if rng.random() < MULTI_TURN_SHARE:
-        follow_up = [{"role": "user", "content": rng.choice(tables.follow_ups)},
+        follow_up = [{"role": "user", "content": rng.choice(follow_ups)},
                      {"role": "assistant", "content": ex.escalation}]
         if _words(*(m["content"] for m in messages + follow_up)) <= MAX_ROW_WORDS:
             messages += follow_up
-    return {**row, "messages": messages}
+    return messages
+
+
+def pretrain_rows(seed: int, tables: Tables) -> list[dict]:
+    """The default base model's pretraining corpus: the other company's helpdesk (every phrasing and
+    value may occur: the base knows the domain, not Acme) plus general IT text, all as chat rows."""
+    other = tables.other
+    system_prompts = [other.swap(s) for s in tables.system_prompts]
+    rows = []
+    for topic in tables.topics:
+        escalation = other.swap(topic.escalation)
+        for intent in topic.intents:
+            rng = _rng(seed, "pretrain", intent.name)
+            pool = _candidates(intent, tables)
+            for p, v in rng.sample(pool, min(PRETRAIN_ROWS_PER_INTENT, len(pool))):
+                ex = Example(topic.category, intent.name, *_render(intent, p, v, tables, other=True), escalation)
+                rows.append({"category": topic.category,
+                             "messages": _messages(ex, rng, system_prompts, tables.follow_ups)})
+    rng = _rng(seed, "pretrain", "general")
+    for _ in range(PRETRAIN_GENERAL_REPEATS):
+        for phrasings, answer in tables.general:
+            for phrasing in phrasings:
+                system = [{"role": "system", "content": rng.choice(system_prompts)}] if rng.random() < 0.5 else []
+                rows.append({"category": "general", "messages": system + [
+                    {"role": "user", "content": phrasing}, {"role": "assistant", "content": answer}]})
+    _rng(seed, "pretrain", "order").shuffle(rows)
+    return [{"id": f"pretrain-{i:05d}", **row} for i, row in enumerate(rows)]
 
 
 def first_user_text(row: dict) -> str:
@@ -435,7 +542,7 @@ def first_user_text(row: dict) -> str:
 def row_words(row: dict) -> int:
     if "messages" in row:
         return _words(*(m["content"] for m in row["messages"]))
-    return _words(*(v for k, v in row.items() if k not in ("id", "category")))
+    return _words(*(v for k, v in row.items() if k not in ("id", "category", "facts")))
 
 
 def row_format(row: dict) -> str:
@@ -454,14 +561,18 @@ def generate(seed: int = SEED, tables: Tables | None = None) -> dict[str, list[d
         rng = _rng(seed, "format", split)
         out[split] = [_row(f"{split}-{i:04d}", ex, FORMAT_CYCLE[i % len(FORMAT_CYCLE)], rng, tables)
                       for i, ex in enumerate(examples)]
-    out["prompts"] = [{"id": f"demo-{i:02d}-{ex.category}", "prompt": ex.prompt}
+        if split == "eval":  # what key-fact accuracy checks (distlab.keyfacts)
+            out[split] = [{**row, "facts": list(ex.facts)} for row, ex in zip(out[split], examples)]
+    out["prompts"] = [{"id": f"demo-{i:02d}-{ex.category}", "prompt": ex.prompt, "facts": list(ex.facts)}
                       for i, ex in enumerate(demos, 1)]
+    out["pretrain"] = pretrain_rows(seed, tables)
 
     train_prompts = {first_user_text(r) for r in out["train"]}
     eval_prompts = {first_user_text(r) for r in out["eval"]}
     assert not train_prompts & eval_prompts, "eval prompt leaked into train"
     assert not {p["prompt"] for p in out["prompts"]} & (train_prompts | eval_prompts)
     assert {r["category"] for r in out["eval"]} <= {r["category"] for r in out["train"]}
+    assert all(r["facts"] for r in out["eval"]), "an eval row without key facts"
     ids = [r["id"] for rows in out.values() for r in rows]
     assert len(ids) == len(set(ids))
     assert all(row_words(r) <= MAX_ROW_WORDS for s in ("train", "eval") for r in out[s])
@@ -513,6 +624,7 @@ def _readme(data: dict[str, list[dict]], seed: int, tables: Tables) -> str:
     categories = "\n".join(f"| {c} | {n} | {eval_['categories'].get(c, 0)} |" for c, n in train["categories"].items())
     template = (tables.directory / "README.template.md").read_text(encoding="utf-8")
     return template.format(seed=seed, train=train, eval=eval_, demo_rows=stats["prompts"]["rows"],
+                           pretrain_rows=len(data["pretrain"]), other_company=tables.other.company,
                            topics=len(train["categories"]), system_prompts=len(tables.system_prompts),
                            heldout=heldout, categories=categories)
 
@@ -525,7 +637,7 @@ def _file_bytes(seed: int = SEED, tables_dir: Path = TABLES_DIR) -> dict[str, by
     """{relative path: content} of every file the generator writes."""
     tables = load_tables(tables_dir)
     data = generate(seed, tables)
-    out = {FILES[key]: _jsonl(data[key]) for key in ("train", "eval", "prompts")}
+    out = {FILES[key]: _jsonl(data[key]) for key in ("train", "eval", "prompts", "pretrain")}
     out[FILES["readme"]] = _readme(data, seed, tables).encode("utf-8")
     return out
 
@@ -580,4 +692,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -28,7 +28,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -36,6 +35,7 @@ from typing import Any, Iterable, Sequence
 import nbformat
 
 from distlab import paths
+from distlab.cli import run_main
 from distlab.publish.profiles import discover, load_profiles, parameters_for
 from distlab.publish.provenance import git_commit
 
@@ -233,4 +233,4 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

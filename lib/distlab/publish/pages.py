@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from distlab import paths
+from distlab.cli import run_main
 from distlab.publish.freshness import stale_outputs
 from distlab.publish.provenance import git_commit
 
@@ -79,4 +80,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

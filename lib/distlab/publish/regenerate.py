@@ -46,6 +46,7 @@ import psutil
 import yaml
 
 from distlab import paths
+from distlab.cli import run_main
 from distlab.launch import runner
 from distlab.publish.freshness import ChapterCache, chapter_inputs
 from distlab.publish.profiles import DEFAULT_PROFILE, NOTEBOOK_RE, discover, load_profiles, parameters_for
@@ -592,4 +593,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.cli import run_main
 from distlab.device import backend_for
 from distlab.workers import write_result
 
@@ -139,4 +140,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.cli import run_main
 from distlab.measure import envcheck
 from distlab.workers import write_result
 
@@ -70,4 +71,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
