@@ -1,0 +1,5 @@
+import sys
+
+from distlab.inference.run import main
+
+sys.exit(main())

@@ -1,0 +1,216 @@
+"""One rank of pipeline inference, started by torchrun or srun (or alone, as a 1-stage run).
+
+Rank and world come from torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS; the
+stages talk over gloo (MASTER_ADDR/MASTER_PORT). Each rank writes into --out-dir:
+
+  rank<r>.log        its log (also on stdout, prefixed "[rank<r>]:")
+  stage<r>.json      its layers, memory (parameter bytes held vs the whole checkpoint, RSS) and
+                     timeline (one entry per forward: micro-batch, step, start, end)
+  completions.jsonl  (last rank) per prompt: text, tokens, time to first token, per-token latency
+  summary.json       (last rank) tokens/s and the run's settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from distlab.generate import write_jsonl
+from distlab.inference.batches import micro_batches, read_prompts
+from distlab.inference.checkpoint import checkpoint_bytes
+from distlab.inference.engine import Pipeline, Sampling
+from distlab.inference.stage import InferenceStage
+from distlab.models import resolve_model
+from distlab.paths import DEMO_PROMPTS
+from distlab.strategies.split import split_layers
+
+MIB = 2 ** 20
+
+
+def rank_and_world() -> tuple[int, int]:
+    """torchrun's variables first, then Slurm's, else a single process."""
+    for r, w in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if r in os.environ and w in os.environ:
+            return int(os.environ[r]), int(os.environ[w])
+    return 0, 1
+
+
+def local_model_dir(model: str | None) -> Path:
+    """The model's local folder; inference never downloads (HF_HUB_OFFLINE=1)."""
+    path = Path(resolve_model(model))
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"model {model!r}: {path} is not a local model folder with config.json "
+                         "(pipeline inference reads local checkpoints only)")
+    return path
+
+
+def repeat_prompts(prompts: list, n: int | None) -> list:
+    """The first n prompts, cycling through the file when n is larger (weak scaling); ids stay unique."""
+    if not n:
+        return prompts
+    return [(pid if i < len(prompts) else f"{pid}#{i // len(prompts)}", text)
+            for i, (pid, text) in ((i, prompts[i % len(prompts)]) for i in range(n))]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m distlab.inference", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="local model folder (default: the default model)")
+    ap.add_argument("--adapter", default=None, help="a PEFT LoRA folder merged into the stages' weights")
+    ap.add_argument("--prompts", default=str(DEMO_PROMPTS), help="prompt JSONL")
+    ap.add_argument("--num-prompts", type=int, default=None, help="use n prompts (cycling the file)")
+    ap.add_argument("--batch-size", default="1",
+                    help="rows per micro-batch; a comma list (1,2,4) runs a sweep, each size in out-dir/b<N>/")
+    ap.add_argument("--in-flight", type=int, default=None,
+                    help="micro-batches in the pipeline at once (default all; 1 = one at a time)")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--sample", action="store_true", help="temperature/top-p sampling (default greedy)")
+    ap.add_argument("--temperature", type=float, default=0.2)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 3,1 (default balanced)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--comm-timeout-s", type=float, default=120, help="gloo timeout for one send/recv")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--kill-rank", type=int, default=None, help="fault injection: this rank SIGKILLs itself")
+    ap.add_argument("--kill-at-step", type=int, default=2, help="... after this many decoding steps")
+    return ap.parse_args(argv)
+
+
+def setup_logging(out_dir: Path, rank: int) -> logging.Logger:
+    log = logging.getLogger(f"distlab.inference.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    fmt = logging.Formatter(f"[rank{rank}]:%(asctime)s %(message)s", "%H:%M:%S")
+    for handler in (logging.FileHandler(out_dir / f"rank{rank}.log", mode="w"), logging.StreamHandler(sys.stdout)):
+        handler.setFormatter(fmt)
+        log.addHandler(handler)
+    return log
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rank, world = rank_and_world()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = setup_logging(out_dir, rank)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoConfig, AutoTokenizer  # deferred: transformers is slow to import
+    from transformers.utils import logging as hf_logging  # deferred: transformers is slow to import
+
+    hf_logging.set_verbosity_error()
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.comm_timeout_s))
+    model_dir = local_model_dir(args.model)
+    config = AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "sdpa"
+    counts = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
+    ranges = split_layers(config.num_hidden_layers, world, counts)
+    rss0 = psutil.Process().memory_info().rss
+    stage = InferenceStage(config, ranges[rank], first=rank == 0, last=rank == world - 1)
+    info = stage.load(model_dir, args.adapter)
+    rss1 = psutil.Process().memory_info().rss
+    memory = {"stage_param_bytes": stage.param_bytes(), "checkpoint_bytes": checkpoint_bytes(model_dir),
+              "read_bytes": info["read_bytes"], "rss_before_load": rss0, "rss_after_load": rss1}
+    log.info("stage %d/%d: layers %s, %s; holds %.1f MiB of a %.1f MiB checkpoint (RSS +%.1f MiB)%s",
+             rank, world, ranges[rank].start if len(ranges[rank]) else "-", f"{len(ranges[rank])} layers",
+             memory["stage_param_bytes"] / MIB, memory["checkpoint_bytes"] / MIB, (rss1 - rss0) / MIB,
+             f", LoRA merged into {info['lora_merged']} weights" if args.adapter else "")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts = repeat_prompts(read_prompts(args.prompts), args.num_prompts)
+    sampling = Sampling(args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
+                        top_p=args.top_p, seed=args.seed)
+    sizes = [int(b) for b in str(args.batch_size).split(",")]
+    for batch_size in sizes:
+        where = out_dir if len(sizes) == 1 else out_dir / f"b{batch_size}"
+        where.mkdir(parents=True, exist_ok=True)
+        run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, where, log,
+                       dict(memory), rank, world, ranges, model_dir)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, out_dir, log, memory, rank, world,
+                   ranges, model_dir) -> None:
+    """Generate every prompt in micro-batches of `batch_size`; write this rank's files into out_dir."""
+    batches = micro_batches(tokenizer, prompts, batch_size)
+    pipe = Pipeline(stage, rank, world, stage.config, tokenizer.eos_token_id, tokenizer.pad_token_id, sampling)
+    if args.kill_rank == rank:
+        arm_kill(pipe, args.kill_at_step, log)
+    if world > 1:
+        dist.barrier()
+    log.info("generating: %d prompts in %d micro-batches of <= %d, %s in flight, <= %d new tokens, %s",
+             len(prompts), len(batches), batch_size, args.in_flight or "all", args.max_new_tokens,
+             "greedy" if sampling.greedy else f"sampling T={sampling.temperature} top_p={sampling.top_p}")
+    start = time.perf_counter()
+    states = pipe.run(batches, args.in_flight)
+    wall = time.perf_counter() - start
+    memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    (out_dir / f"stage{rank}.json").write_text(json.dumps(
+        {"rank": rank, "world": world, "layers": list(ranges[rank]), "first": rank == 0, "last": rank == world - 1,
+         "memory": memory, "wall_s": wall, "events": pipe.events}, indent=1))
+    if rank != world - 1:
+        log.info("done: stage %d finished in %.2f s", rank, wall)
+        return
+    rows = completion_rows(states, tokenizer)
+    write_jsonl(rows, out_dir / "completions.jsonl")
+    new_tokens = sum(r["new_tokens"] for r in rows)
+    summary = {"stages": world, "stage_layers": [len(r) for r in ranges], "prompts": len(prompts),
+               "batch_size": batch_size, "micro_batches": len(batches),
+               "in_flight": args.in_flight or len(batches), "max_new_tokens": args.max_new_tokens,
+               "greedy": sampling.greedy, "model": str(model_dir), "adapter": args.adapter,
+               "new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": new_tokens / wall,
+               "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log.info("done: %d new tokens in %.2f s = %.1f tokens/s", new_tokens, wall, new_tokens / wall)
+
+
+def completion_rows(states, tokenizer) -> list[dict]:
+    rows = []
+    for st in states:
+        times = st.token_times
+        for r in range(st.mb.rows):
+            toks = st.tokens[r]
+            n = len(toks)
+            rows.append({"id": st.mb.ids[r], "prompt": st.mb.prompts[r],
+                         "text": tokenizer.decode(toks, skip_special_tokens=True).strip(), "tokens": toks,
+                         "new_tokens": n, "micro_batch": st.mb.index, "ttft_s": times[0],
+                         "per_token_s": (times[n - 1] - times[0]) / (n - 1) if n > 1 else None,
+                         "finish_s": times[n - 1]})
+    return rows
+
+
+def arm_kill(pipe: Pipeline, at_step: int, log) -> None:
+    """Fault injection: SIGKILL this rank when it starts decoding step `at_step` (mid-generation)."""
+    inner = pipe._step
+
+    def step(st, step_index):
+        if step_index >= at_step:
+            log.info("fault injection: SIGKILL at decoding step %d", step_index)
+            for h in logging.getLogger(log.name).handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        inner(st, step_index)
+
+    pipe._step = step
+
+
+if __name__ == "__main__":
+    sys.exit(main())
