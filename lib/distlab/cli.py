@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -43,8 +44,15 @@ def split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
     return [a for i, a in enumerate(argv) if not (i < end and a == "--debug")], debug
 
 
-def run_main(main: Callable[..., int | None], argv: Sequence[str] | None = None, prog: str | None = None) -> NoReturn:
-    """sys.exit(main(argv)), with user errors as one line on stderr and exit status 2."""
+def run_main(main: Callable[..., int | None], argv: Sequence[str] | None = None, prog: str | None = None,
+             sigterm_exits: bool = False) -> NoReturn:
+    """sys.exit(main(argv)), with user errors as one line on stderr and exit status 2.
+
+    `sigterm_exits`: a SIGTERM (timeout, a scheduler) raises SystemExit(143) in the main thread, so a command
+    that launches jobs through distlab.launch.runner kills their process groups on the way out instead of
+    leaving them running (the runner cleans up on any exception)."""
+    if sigterm_exits:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv, debug = split_debug(sys.argv[1:] if argv is None else argv)
     debug = debug or os.environ.get("DISTLAB_DEBUG") == "1"
     prog = prog or prog_name()
@@ -66,6 +74,10 @@ def run_main(main: Callable[..., int | None], argv: Sequence[str] | None = None,
     finally:
         argparse.ArgumentParser.error = original
     sys.exit(code or 0)
+
+
+def _exit_on_sigterm(signum, frame) -> NoReturn:
+    raise SystemExit(128 + signum)
 
 
 def _one_line(prog: str, error: BaseException) -> None:
