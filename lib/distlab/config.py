@@ -55,6 +55,9 @@ class TrainConfig:
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
     measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)
+    # uneven data parallelism (chapter 05): each rank's share of the global batch, e.g. [2, 1] (normalised;
+    # one per data-parallel rank); None: equal shares. The loss stays normalised by global tokens.
+    rank_shares: list[float] | None = None
     # sharding (chapter 03: FSDP2 and DeepSpeed ZeRO)
     # fsdp: free each layer's gathered weights after forward, re-gather in backward
     fsdp_reshard_after_forward: bool = True
@@ -171,7 +174,8 @@ def _to_list(item):
 
 
 _CONVERT = {"int": _to_int, "float": _to_float, "bool": _to_bool, "str": _to_str,
-            "list[str]": _to_list(_to_str), "list[int]": _to_list(_to_int)}
+            "list[str]": _to_list(_to_str), "list[int]": _to_list(_to_int),
+            "list[float]": _to_list(_to_float)}
 
 
 def _at_least(n):
@@ -223,6 +227,7 @@ RULES = {
     "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
     "dtype": _one_of("auto", "fp32", "bf16-autocast", "bf16", "fp16-autocast"),
     "num_threads": _at_least(1), "collective_timeout_s": _at_least(1),
+    "rank_shares": (lambda v: len(v) > 0 and min(v) > 0, "a non-empty list of positive numbers"),
     "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe"),
     "stage_layers": (lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of layer counts >= 1"),
     "checkpoint_steps": _at_least(0), "keep_checkpoints": _at_least(1),

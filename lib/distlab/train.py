@@ -25,8 +25,10 @@ from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
 from distlab import checkpoint, faults
+from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
 from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
+from distlab.lan.balance import rows_per_rank
 from distlab.measure.meter import Meter
 from distlab.metrics import StepLog, train_flops_per_token
 from distlab.models import count_parameters
@@ -45,15 +47,23 @@ class StepBatches:
     (DistributedSampler's rule). Epochs end at the last full step (the remainder is counted, not
     silently mixed across epochs). The position is a small state dict for checkpoints."""
 
-    def __init__(self, n_items: int, micro: int, accum: int, world: int, rank: int, seed: int):
+    def __init__(self, n_items: int, micro: int, accum: int, world: int, rank: int, seed: int,
+                 shares: list[float] | None = None):
         per_step = micro * accum * world
         if n_items < per_step:
             raise ValueError(f"{n_items} training items cannot fill one global batch of {per_step} "
                              f"(micro {micro} x accumulation {accum} x world {world})")
         self.micro, self.accum = micro, accum
+        # Uneven data parallelism (chapter 05): the same global batch, cut into contiguous slices by
+        # `shares`; every rank walks the whole permutation (a one-replica sampler) and takes its slice.
+        self.span, self.slice = micro * accum, None
+        if shares:
+            counts = rows_per_rank(per_step, shares, world, minimum=accum)
+            self.span, self.slice = per_step, (sum(counts[:rank]), sum(counts[:rank + 1]))
+            world, rank = 1, 0
         self.sampler = DistributedSampler(range(n_items), num_replicas=world, rank=rank, shuffle=True,
                                           seed=seed, drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // (micro * accum)
+        self.steps_per_epoch = len(self.sampler) // self.span
         self.dropped_per_epoch = n_items - self.steps_per_epoch * per_step
         self.epoch, self.step_in_epoch = 0, 0
         self._order: list[int] | None = None
@@ -64,11 +74,13 @@ class StepBatches:
         if self._order is None:
             self.sampler.set_epoch(self.epoch)
             self._order = list(self.sampler)
-        rows_per_step = self.micro * self.accum
-        start = self.step_in_epoch * rows_per_step
-        rows = self._order[start:start + rows_per_step]
+        start = self.step_in_epoch * self.span
+        rows = self._order[start:start + self.span]
         self.step_in_epoch += 1
-        return [rows[i:i + self.micro] for i in range(0, rows_per_step, self.micro)]
+        if self.slice is not None:  # this rank's slice, in `accum` near-equal micro-batches
+            mine = rows[self.slice[0]:self.slice[1]]
+            return [mine[i * len(mine) // self.accum:(i + 1) * len(mine) // self.accum] for i in range(self.accum)]
+        return [rows[i:i + self.micro] for i in range(0, self.span, self.micro)]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
@@ -125,7 +137,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
     accum = cfg.micro_steps(strategy.data_parallel_size)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
-                          strategy.data_parallel_rank, cfg.seed)
+                          strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)
     if strategy.is_main:
         checkpoint.clean_partial(out)
     strategy.barrier()
@@ -254,4 +266,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
