@@ -8,6 +8,7 @@ from distlab import checkpoint
 from distlab.launch.jobs import launch_training
 from distlab.launch.runner import RunFailed
 from distlab.metrics import read_log
+from distlab.results import report
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,10 @@ def test_two_ranks_give_the_one_rank_loss_curve(tmp_path):
     assert [a[s] for s in a] == pytest.approx([b[s] for s in b], rel=1e-5)
     steps = read_log(two.log)
     assert all(s["world_size"] == 2 and s["comm_time_s"] > 0 and s["comm_bytes"] > 0 for s in steps)
+    # the hook times the wait for the slower rank apart from the transfer (chapter 02's cost model)
+    assert all(s["comm_calls"] >= 1 and s["comm_wait_s"] >= 0 and s["comm_transfer_s"] > 0 for s in steps)
+    assert all(s["comm_wait_s"] + s["comm_transfer_s"] == pytest.approx(s["comm_time_s"]) for s in steps)
+    assert report.comm_split(two.log)["comm_calls"] >= 1
     assert len(two.rank_logs) == 1  # rank 1 writes its own log
 
 

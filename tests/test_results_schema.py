@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from distlab.bench import ddp_scaling
+from distlab.launch import jobs
 from distlab.measure import bubble
 from distlab.metrics import StepLog
 from distlab.results import collect, report, schema
@@ -185,16 +186,28 @@ def test_chapter_04_pipeline_table_uses_the_schema(tmp_path):
 
 
 def test_ddp_benchmark_prints_the_schema_numbers(tmp_path, monkeypatch, capsys):
-    def fake_launch(name, k, overrides, runs_dir, echo):
+    order = []
+
+    def fake_launch(name, k, overrides, timeout_s, runs_dir, echo):
         assert overrides["max_steps"] > W
-        seconds = {1: 1.9, 2: 1.0}[k]  # the same global batch: 2 ranks at 0.95 of twice the speed
+        order.append(k)
+        seconds = {1: 1.9, 2: 1.0}[k] * (1 + 0.1 * (len(order) > 2))  # the same global batch: 2 ranks at 0.95
         steps = [step(n, seconds, world=k) for n in range(1, overrides["max_steps"] + 1)]
         log = write_logs(Path(runs_dir) / name, {r: steps for r in range(k)})
-        return SimpleNamespace(log=log)
+        return SimpleNamespace(log=log, result=SimpleNamespace(elapsed_s=1.0))
 
-    monkeypatch.setattr(ddp_scaling, "launch_training", fake_launch)
-    assert ddp_scaling.main(["--steps", str(W + 2), "--rounds", "1"]) == 0
+    monkeypatch.setattr(jobs, "launch_training", fake_launch)
+    assert ddp_scaling.main(["--steps", str(W + 2), "--rounds", "3"]) == 0
+    assert order == [1, 2, 1, 2, 1, 2]  # alternating rounds
     out = capsys.readouterr().out
     assert "tokens_per_s" in out and "scaling_efficiency 0.95" in out and "toks" not in out
+    assert "pairings of rounds: 0.86-1.04" in out  # 0.95 / 1.1 and 0.95 x 1.1: the spread is printed
     with pytest.raises(ValueError, match="warm-up"):
         ddp_scaling.measure(steps=W)
+
+
+def test_the_allreduce_model_charges_latency_per_call_and_bandwidth_per_byte():
+    m = report.allreduce_model(calls=3, nbytes=2**20, world_size=2, latency_s=1e-3, busbw_bytes_per_s=1e9)
+    assert m["latency_term_s"] == pytest.approx(3e-3)
+    assert m["bandwidth_term_s"] == pytest.approx(2**20 / 1e9)  # 2(k-1)/k = 1 at two ranks
+    assert m["predicted_s"] == pytest.approx(3e-3 + 2**20 / 1e9)

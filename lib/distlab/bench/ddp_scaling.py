@@ -1,11 +1,12 @@
 """2-rank DDP efficiency against the 1-rank baseline, measured side by side.
 
-    python -m distlab.bench.ddp_scaling [--steps 40] [--rounds 2]
+    python -m distlab.bench.ddp_scaling [--steps 40] [--rounds 3]
 
 Both runs use one thread per rank (the 1-rank baseline too: two threads on a 2-core machine
 would make it a different program), the same global batch (so 1 rank accumulates twice as many
 micro-batches), the same data and seed. Rounds alternate 1 and 2 ranks so that machine noise
-hits both alike; the median of each one's tokens_per_s is compared. Every number is a column of
+hits both alike; the median of each one's tokens_per_s is compared, and the spread over the rounds is
+printed with it. Chapter 02 calls the same `measure`, so the two agree by construction. Every number is a column of
 distlab.results.schema (steady state after schema.WARMUP_STEPS, the slowest rank's step time):
 scaling_efficiency = tokens_per_s(2) / (2 x tokens_per_s(1)).
 """
@@ -13,43 +14,47 @@ scaling_efficiency = tokens_per_s(2) / (2 x tokens_per_s(1)).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 
 from distlab.cli import run_main
-from distlab.launch.jobs import launch_training
-from distlab.results import schema
+from distlab.launch.jobs import alternating_rounds
+from distlab.results import report, schema
+
+# What both chapter 02 and this benchmark run: the chapter adds its model/device parameters on top.
+SETUP = {"strategy": "ddp", "micro_batch_size": 2, "global_batch_size": 8, "logging_steps": 1,
+         "eval_at_start": False, "eval_at_end": False, "save_model": False, "lora_dropout": 0.0}
 
 
-def measure(steps: int = 40, rounds: int = 2, micro_batch_size: int = 2, global_batch_size: int = 8,
-            world_sizes=(1, 2)) -> dict[int, list[float]]:
-    """world size -> tokens_per_s of each round."""
+def measure(steps: int = 40, rounds: int = 3, world_sizes=(1, 2), overrides: dict | None = None,
+            runs_dir: Path | None = None, timeout_s: int = 900, progress=print):
+    """(scaling table, {world size: jobs}): `rounds` alternating rounds at each world size, the median
+    round per world size, its spread (distlab.results.report.scaling_over_rounds)."""
     if steps <= schema.WARMUP_STEPS:
         raise ValueError(f"--steps {steps}: the first {schema.WARMUP_STEPS} steps are warm-up; run more")
-    overrides = {"strategy": "ddp", "max_steps": steps, "micro_batch_size": micro_batch_size,
-                 "global_batch_size": global_batch_size, "logging_steps": 1, "eval_file": None,
-                 "save_model": False}
-    tps: dict[int, list[float]] = {k: [] for k in world_sizes}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            for k in world_sizes:
-                job = launch_training(f"bench_ws{k}", k, overrides, runs_dir=Path(tmp), echo=False)
-                tps[k].append(schema.summarise_logs(job.log)["tokens_per_s"])
-                print(f"round {r + 1}/{rounds}  world_size {k}: tokens_per_s {tps[k][-1]:8.0f}", flush=True)
-    return tps
+    setup = {**SETUP, **(overrides or {}), "max_steps": steps}
+    if runs_dir is None:
+        runs_dir = Path(tempfile.mkdtemp(prefix="ddp_scaling_"))
+    jobs = alternating_rounds("ddp_scaling", list(world_sizes), setup, rounds, runs_dir=runs_dir,
+                              timeout_s=timeout_s, progress=progress)
+    table = report.scaling_over_rounds({k: [job.log for job in js] for k, js in jobs.items()})
+    return table, jobs
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distlab.bench.ddp_scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    tps = measure(args.steps, args.rounds)
-    one, two = statistics.median(tps[1]), statistics.median(tps[2])
-    print(f"median tokens_per_s: world_size 1 {one:.0f}, world_size 2 {two:.0f} "
-          f"(warm-up: first {schema.WARMUP_STEPS} steps left out)")
-    print(f"speedup {two / one:.2f}, scaling_efficiency {two / (2 * one):.2f} (target >= 0.90)")
+    with tempfile.TemporaryDirectory() as tmp:
+        table, _ = measure(args.steps, args.rounds, runs_dir=Path(tmp))
+    for row in table.to_dict("records"):
+        print(f"world_size {int(row['world_size'])}: median tokens_per_s {row['tokens_per_s']:.0f} "
+              f"(rounds {row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f})")
+    two = table.set_index("world_size").loc[2]
+    print(f"speedup {two['speedup']:.2f}, scaling_efficiency {two['scaling_efficiency']:.2f} "
+          f"(pairings of rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; "
+          f"target >= 0.90; warm-up: first {schema.WARMUP_STEPS} steps left out)")
     return 0
 
 

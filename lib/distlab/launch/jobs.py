@@ -112,3 +112,20 @@ def _launch(spec: LaunchSpec, name: str, run_names: list[str], timeout_s: int, r
     result = run(["bash", str(script)], timeout_s=timeout_s + 60, log_path=launch_dir / "console.log",
                  env={"PYTHON": sys.executable}, echo=echo, check=check, cwd=os.getcwd())
     return {run_name: TrainJob(run_name, script, Path(runs_dir) / run_name, result) for run_name in run_names}
+
+
+def alternating_rounds(prefix: str, world_sizes: list[int], overrides: Mapping[str, Any], rounds: int, *,
+                       timeout_s: int = 900, runs_dir: Path = RUNS_DIR, echo: bool = False,
+                       progress=print) -> dict[int, list[TrainJob]]:
+    """The same training at each world size, `rounds` times, alternating (1, 2, 1, 2, ...) so that a
+    slow minute of a shared machine hits every world size alike. Returns {world size: one job per round}.
+    Chapter 02 and `python -m distlab.bench.ddp_scaling` measure scaling with this, the same way."""
+    jobs: dict[int, list[TrainJob]] = {k: [] for k in world_sizes}
+    for r in range(rounds):
+        for k in world_sizes:
+            job = launch_training(f"{prefix}_ws{k}_r{r + 1}", k, overrides, timeout_s=timeout_s, runs_dir=runs_dir,
+                                  echo=echo)
+            jobs[k].append(job)
+            if progress:
+                progress(f"round {r + 1}/{rounds}, world size {k}: {job.result.elapsed_s:.0f}s")
+    return jobs

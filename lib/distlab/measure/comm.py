@@ -28,25 +28,41 @@ from distlab import compat
 
 
 class CommTimer:
-    """A DDP comm hook that all-reduces each gradient bucket synchronously and times it."""
+    """A DDP comm hook that all-reduces each gradient bucket synchronously and times it, in two parts.
+
+    First a one-element all-reduce: it returns when the slowest rank has reached this bucket, so its time
+    is the *wait* for the other ranks (plus one small-message latency). Then the bucket's own all-reduce,
+    which starts with every rank present: its time is the *transfer* a latency-bandwidth model predicts.
+    Without the split, a wait for a slower rank reads as a slow network (chapter 02's cost model)."""
 
     def __init__(self, world_size: int):
-        self.world_size, self.seconds, self.bytes = world_size, 0.0, 0
+        self.world_size = world_size
+        self.wait_s, self.transfer_s, self.bytes, self.calls = 0.0, 0.0, 0, 0
+        self._flag = torch.zeros(1)
 
     def hook(self, state, bucket):
         buf = bucket.buffer()
+        flag = self._flag if buf.device.type == "cpu" else self._flag.to(buf.device)
         t0 = time.perf_counter()
+        dist.all_reduce(flag)
+        t1 = time.perf_counter()
         dist.all_reduce(buf)
-        self.seconds += time.perf_counter() - t0
+        if buf.device.type == "cuda":
+            torch.cuda.synchronize(buf.device)
+        t2 = time.perf_counter()
+        self.wait_s += t1 - t0
+        self.transfer_s += t2 - t1
         self.bytes += buf.numel() * buf.element_size()
+        self.calls += 1
         buf.div_(self.world_size)
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
 
     def take(self) -> dict[str, float]:
-        out = {"comm_time_s": self.seconds, "comm_bytes": self.bytes}
-        self.seconds, self.bytes = 0.0, 0
+        out = {"comm_time_s": self.wait_s + self.transfer_s, "comm_wait_s": self.wait_s,
+               "comm_transfer_s": self.transfer_s, "comm_calls": self.calls, "comm_bytes": self.bytes}
+        self.wait_s, self.transfer_s, self.bytes, self.calls = 0.0, 0.0, 0, 0
         return out
 
 

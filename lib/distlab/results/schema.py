@@ -62,7 +62,13 @@ COLUMNS: dict[str, str] = {
 
 # Columns only one chapter's tables have: what that chapter varies or measures besides the schema.
 CHAPTER_COLUMNS: dict[str, dict[str, str]] = {
-    "02": {},
+    "02": {
+        "rounds": "alternating rounds measured at this world size (the row is the median round's)",
+        "tokens_per_s_min": "the slowest round's tokens_per_s",
+        "tokens_per_s_max": "the fastest round's tokens_per_s",
+        "scaling_efficiency_min": "tokens_per_s_min / (world_size x the 1-rank tokens_per_s_max): the worst pairing",
+        "scaling_efficiency_max": "tokens_per_s_max / (world_size x the 1-rank tokens_per_s_min): the best pairing",
+    },
     "03": {},
     "04": {
         "micro_bsz": "rows per micro-batch (the DeepSpeed-PP seed's column)",
