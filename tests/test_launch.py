@@ -363,8 +363,8 @@ def test_seed_matrix_follows_the_enterprise_and_lan_seeds():
     rows = {row.name: row for row in launch.SEED_MATRIX}
     assert {n: (r.nnodes, r.gpus_per_node, r.max_steps) for n, r in rows.items()} == {
         "run_1gpu": (1, 1, 80), "run_4gpu": (1, 4, 150), "run_2node_8gpu": (2, 4, 200)}
-    files = launch.seed_files()  # launch/k8s/ (KUBE_MATRIX) is tested in tests/test_kubernetes.py
-    assert sorted(f for f in files if not f.startswith("k8s/")) == [
+    files = launch.seed_files()  # launch/k8s/ is tested in tests/test_kubernetes.py, launch/slurm/ in test_slurm.py
+    assert sorted(f for f in files if not f.startswith(("k8s/", "slurm/"))) == [
         "README.md", "run_1gpu.sh", "run_2node_8gpu/README.md", "run_2node_8gpu/node0.sh", "run_2node_8gpu/node1.sh",
         "run_4gpu.sh"]
     for name, row in rows.items():

@@ -80,7 +80,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 3,1 (default balanced)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                    help="torch threads per rank (default OMP_NUM_THREADS, else 1)")
     ap.add_argument("--comm-timeout-s", type=float, default=120, help="gloo timeout for one send/recv")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--kill-rank", type=int, default=None, help="fault injection: this rank SIGKILLs itself")

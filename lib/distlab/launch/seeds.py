@@ -24,6 +24,7 @@ from distlab.launch.generated import GENERATED_MARK, check_dir, regenerate
 from distlab.launch.kubernetes import KubeJob, kube_spec
 from distlab.launch.kubernetes import render_files as render_kube
 from distlab.launch.network import describe
+from distlab.launch.slurm import example_files as slurm_files
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, render_files
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
@@ -263,6 +264,7 @@ def seed_files(matrix: Sequence[SeedRun] = SEED_MATRIX,
     files["README.md"] = render_seed_readme(matrix)
     if kube_matrix:
         files.update({f"k8s/{rel}": text for rel, text in kube_files(kube_matrix).items()})
+    files.update({f"slurm/{rel}": text for rel, text in slurm_files().items()})
     return files
 
 

@@ -1,0 +1,259 @@
+"""A job as Slurm scripts: `submit.sbatch` (resources, checks, rendezvous, one `srun`) and `run.sh` (what
+every task runs), from a typed, validated SlurmSpec.
+
+submit.sbatch runs on the first node, outside any container: it changes to the repository root, fails
+loudly when the local model folder is missing (HF_HUB_OFFLINE=1: nothing is ever downloaded), sets
+MASTER_ADDR to the first node's address (`scontrol show hostnames "$SLURM_JOB_NODELIST"`, then that
+node's NodeAddr) and MASTER_PORT from the job id (two jobs on one node never collide), and starts
+one task per rank with `srun --kill-on-bad-exit=1` (a dead rank ends the job, not a hang until the time
+limit), each writing its own log (`%t`). run.sh takes RANK/WORLD_SIZE from SLURM_PROCID/SLURM_NTASKS
+and runs `python -m <module>`. No pip install inside the job: the environment is prepared before
+submission (PYTHON names its interpreter; sbatch passes the submitter's environment).
+
+With `container` (an image), srun runs `apptainer exec` (or `singularity exec`) with --nv / --rocm and
+the seed's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
+on the host before the job starts.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from distlab.launch.generated import GENERATED_MARK
+from distlab.launch.spec import LaunchSpecError, looks_like_secret_name
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
+RUNTIMES = ("apptainer", "singularity")
+GPU_FLAGS = ("--nv", "--rocm")
+APP_DIR, WORKSPACE_DIR, MODEL_MOUNT = "/app", "/tmp/workspace", "/workspace/model"
+
+
+@dataclass(frozen=True)
+class Container:
+    image: str
+    runtime: str = "apptainer"
+    gpu_flag: str | None = "--nv"
+    workspace: str = "build/workspace"   # host folder bound at /tmp/workspace
+
+
+@dataclass
+class SlurmSpec:
+    name: str
+    module: str = "distlab.inference"
+    args: list[str] = field(default_factory=list)
+    nodes: int = 2
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    gpus_per_task: int | None = None
+    time: str = "00:10:00"
+    partition: str | None = None
+    model_dir: str = "build/models/distlab-tiny-base"   # local folder, relative to the repository root
+    model_arg: str | None = "--model"    # how the module is told the model folder
+    out_dir: str = "build/runs/06_slurm"  # the job writes into <out_dir>/<job id>/
+    log_dir: str = "logs/slurm"
+    env: dict[str, str] = field(default_factory=dict)
+    container: Container | None = None
+    script_dir: str = "launch/slurm"     # where run.sh lives, relative to the repository root
+    description: str = ""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if not _NAME_RE.match(str(self.name)):
+            raise LaunchSpecError("name", f"{self.name!r}: letters, digits, '_', '.', '-' only")
+        for attr, low in (("nodes", 1), ("tasks_per_node", 1), ("cpus_per_task", 1)):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise LaunchSpecError(attr, f"{value!r}: need an integer >= {low}")
+        if self.gpus_per_task is not None and (isinstance(self.gpus_per_task, bool) or
+                                               not isinstance(self.gpus_per_task, int) or self.gpus_per_task < 1):
+            raise LaunchSpecError("gpus_per_task", f"{self.gpus_per_task!r}: None or an integer >= 1")
+        if not _TIME_RE.match(str(self.time)):
+            raise LaunchSpecError("time", f"{self.time!r}: a wall time as HH:MM:SS or D-HH:MM:SS (every job has one)")
+        if self.partition is not None and not _NAME_RE.match(self.partition):
+            raise LaunchSpecError("partition", f"{self.partition!r}: not a partition name")
+        for name in self.env:
+            if not _ENV_RE.match(name) or looks_like_secret_name(name):
+                raise LaunchSpecError("env", f"{name!r}: not a variable name, or it names a secret "
+                                             "(pass secrets through the submitting environment)")
+        for attr in ("model_dir", "out_dir", "log_dir", "script_dir"):
+            if not str(getattr(self, attr)).strip():
+                raise LaunchSpecError(attr, "must not be empty")
+        c = self.container
+        if c is not None:
+            if c.runtime not in RUNTIMES:
+                raise LaunchSpecError("container", f"runtime {c.runtime!r}: one of {RUNTIMES}")
+            if c.gpu_flag is not None and c.gpu_flag not in GPU_FLAGS:
+                raise LaunchSpecError("container", f"gpu_flag {c.gpu_flag!r}: one of {GPU_FLAGS} or None")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def q(value) -> str:
+    return shlex.quote(str(value))
+
+
+def render_sbatch(spec: SlurmSpec) -> str:
+    spec.validate()
+    lines = ["#!/bin/bash",
+             f"#SBATCH --job-name={spec.name}",
+             *([f"#SBATCH --partition={spec.partition}"] if spec.partition else []),
+             f"#SBATCH --nodes={spec.nodes}",
+             f"#SBATCH --ntasks-per-node={spec.tasks_per_node}",
+             f"#SBATCH --cpus-per-task={spec.cpus_per_task}",
+             *([f"#SBATCH --gres=gpu:{spec.gpus_per_task * spec.tasks_per_node}"] if spec.gpus_per_task else []),
+             f"#SBATCH --time={spec.time}",
+             f"#SBATCH --output={spec.log_dir}/%x-%j.out",
+             f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/slurm.py): do not edit by hand.",
+             *([f"# {spec.description}"] if spec.description else []),
+             f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s) = world size {spec.world_size}"
+             + (f"; container {spec.container.runtime} (rendered here, not executed)" if spec.container else ""),
+             "# Submit from the repository root (Slurm opens the --output file first, so its folder must exist):",
+             f"#   mkdir -p {spec.log_dir} && sbatch {spec.script_dir}/submit.sbatch",
+             "set -euo pipefail",
+             "",
+             'cd "${DISTLAB_ROOT:-${SLURM_SUBMIT_DIR:-.}}"',
+             f"MODEL_DIR={q(spec.model_dir)}",
+             'if [[ ! -f "$MODEL_DIR/config.json" ]]; then',
+             '  echo "error: model folder $MODEL_DIR (with config.json) is missing on $(hostname);'
+             ' stage it before submitting: jobs never download (HF_HUB_OFFLINE=1)" >&2',
+             "  exit 2",
+             "fi",
+             "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+             "# rendezvous: the first node of the allocation, its address as Slurm knows it",
+             'MASTER_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+             'MASTER_ADDR="$(scontrol show node -o "$MASTER_NODE" | grep -o \'NodeAddr=[^ ]*\' | cut -d= -f2)"',
+             'MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"',
+             "export MASTER_ADDR MASTER_PORT",
+             f"mkdir -p {q(spec.log_dir)} {q(spec.out_dir)}",
+             'echo "job $SLURM_JOB_ID: $SLURM_NTASKS tasks on $SLURM_JOB_NODELIST, master $MASTER_ADDR:$MASTER_PORT"',
+             ""]
+    srun = ["srun", "--kill-on-bad-exit=1", f"--output={spec.log_dir}/%x-%j-rank%t.log"]
+    run_sh = f"{spec.script_dir}/run.sh"
+    if spec.container is None:
+        lines.append(" ".join(q(w) for w in srun) + " bash " + q(run_sh))
+    else:
+        c = spec.container
+        lines += [f"WORKSPACE={q(c.workspace)}", 'mkdir -p "$WORKSPACE"',
+                  " ".join(q(w) for w in srun) + " \\",
+                  f"  {c.runtime} exec" + (f" {c.gpu_flag}" if c.gpu_flag else "") + " \\",
+                  f'  --bind "$PWD:{APP_DIR}" --bind "$WORKSPACE:{WORKSPACE_DIR}" --bind "$MODEL_DIR:{MODEL_MOUNT}" \\',
+                  f"  --pwd {APP_DIR} \\",
+                  f"  {q(c.image)} bash {q(APP_DIR + '/' + run_sh)}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_run(spec: SlurmSpec) -> str:
+    spec.validate()
+    model = MODEL_MOUNT if spec.container else spec.model_dir
+    out = f"{WORKSPACE_DIR}/outputs" if spec.container else spec.out_dir
+    args = list(spec.args) + ([spec.model_arg, model] if spec.model_arg else [])
+    lines = ["#!/bin/bash",
+             f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/slurm.py): do not edit by hand.",
+             "# One task of the job: srun starts it once per rank" + (" inside the container." if spec.container
+                                                                     else "."),
+             "set -euo pipefail",
+             "",
+             'export RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="${SLURM_LOCALID:-0}"',
+             'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
+             "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"]
+    lines += [f"export {k}={q(v)}" for k, v in sorted(spec.env.items())]
+    lines += [f'OUT_DIR={q(out)}/"$SLURM_JOB_ID"',
+              'echo "rank $RANK/$WORLD_SIZE on $(hostname) (${SLURMD_NODENAME:-?}), master $MASTER_ADDR:$MASTER_PORT"',
+              'exec "${PYTHON:-python3}" -m ' + q(spec.module) + " \\",
+              "  " + " ".join(q(a) for a in args) + ' --out-dir "$OUT_DIR"' if args else '  --out-dir "$OUT_DIR"']
+    return "\n".join(lines) + "\n"
+
+
+def render_files(spec: SlurmSpec) -> dict[str, str]:
+    """{'submit.sbatch': ..., 'run.sh': ...} (relative to spec.script_dir)."""
+    return {"submit.sbatch": render_sbatch(spec), "run.sh": render_run(spec)}
+
+
+def write_files(spec: SlurmSpec, root) -> list:
+    """Write the job's two files under root/<spec.script_dir>/ (the folder run.sh is expected in)."""
+    from pathlib import Path  # deferred: only writing needs paths
+
+    out = []
+    for rel, text in render_files(spec).items():
+        path = Path(root) / spec.script_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(0o755)
+        out.append(path)
+    return out
+
+
+# ---------------------------------------------------------------------- the committed examples
+
+SLURM_DIR = "launch/slurm"
+SEED_IMAGE = "images/distlab-pytorch.sif"  # placeholder: the site's prebuilt PyTorch image (the seed's .sif)
+
+
+def example_specs() -> list[SlurmSpec]:
+    """launch/slurm/: the 2-node CPU job chapter 06 runs, and the seed's GPU + Apptainer shape."""
+    common = ["--batch-size", "2", "--max-new-tokens", "32"]
+    return [
+        SlurmSpec("pipeline-2node-cpu", args=common, nodes=2, tasks_per_node=1, cpus_per_task=1, time="00:10:00",
+                  partition="debug", out_dir="build/runs/06_slurm", script_dir=f"{SLURM_DIR}/pipeline-2node-cpu",
+                  description="2-stage pipeline inference of the tiny base on the one-machine cluster "
+                              "(python -m distlab.slurm up): what chapter 06 runs"),
+        SlurmSpec("pipeline-2node-gpu-apptainer", args=common, nodes=2, tasks_per_node=1, cpus_per_task=4,
+                  gpus_per_task=1, time="00:30:00", partition="gpu", model_dir="models/open_llama_3b",
+                  out_dir="build/runs/06_slurm", env={"NCCL_DEBUG": "WARN"},
+                  container=Container(SEED_IMAGE, runtime="apptainer", gpu_flag="--nv",
+                                      workspace="build/workspace"),
+                  script_dir=f"{SLURM_DIR}/pipeline-2node-gpu-apptainer",
+                  description="The seed's shape: 2 nodes x 1 GPU, 4 CPUs per task, 30 min, Apptainer with --nv "
+                              "(rendered and checked, never executed here)"),
+    ]
+
+
+def _container_label(spec: SlurmSpec) -> str:
+    c = spec.container
+    return f"{c.runtime} {c.gpu_flag or ''}".strip() if c else "-"
+
+
+def example_files() -> dict[str, str]:
+    """Relative path under launch/slurm/ -> content."""
+    files = {}
+    for spec in example_specs():
+        sub = spec.script_dir[len(SLURM_DIR) + 1:]
+        files.update({f"{sub}/{rel}": text for rel, text in render_files(spec).items()})
+    files["README.md"] = "\n".join([
+        "# Slurm jobs: pipeline inference",
+        "",
+        f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `example_specs` in "
+        "`lib/distlab/launch/slurm.py`): do not edit them by hand.",
+        "",
+        "| job | nodes x tasks | CPUs/task | GPUs/task | wall time | partition | container |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| `{s.name}/` | {s.nodes} x {s.tasks_per_node} | {s.cpus_per_task} | {s.gpus_per_task or '-'} | "
+          f"{s.time} | {s.partition} | {_container_label(s)} |" for s in example_specs()),
+        "",
+        "Each job is `submit.sbatch` (resources, the local model check, MASTER_ADDR/MASTER_PORT, one `srun`) and "
+        "`run.sh` (one rank: RANK/WORLD_SIZE from SLURM_PROCID/SLURM_NTASKS, then `python -m distlab.inference`). "
+        "Submit from the repository root:",
+        "",
+        "```bash",
+        "python -m distlab.slurm up                      # the one-machine cluster (build/slurm/)",
+        "export SLURM_CONF=$PWD/build/slurm/slurm.conf PYTHON=$PWD/.venv/bin/python",
+        "mkdir -p logs/slurm && sbatch launch/slurm/pipeline-2node-cpu/submit.sbatch",
+        "sacct -c --format=JobID,JobName,NNodes,NCPUS,State,ExitCode,Elapsed",
+        "python -m distlab.slurm down",
+        "```",
+        "",
+        "The Apptainer variant is rendered, golden-tested and shellchecked only: Apptainer/Singularity are not "
+        "installable on the machines that wrote it. Its image and model folder are placeholders "
+        f"(`{SEED_IMAGE}`, `models/open_llama_3b`); nothing is pip-installed inside the job. "
+        "distlab.inference runs its stages on CPU (gloo): the GPU job shows the resource and container shape.",
+        "",
+    ])
+    return files

@@ -1,0 +1,5 @@
+import sys
+
+from distlab.slurm.cli import main
+
+sys.exit(main())
