@@ -1,6 +1,6 @@
 """The data contract: JSONL rows in three formats -> chat messages -> token ids with masked labels.
 
-Accepted rows (a file may mix them; `id`, `category`, `source`, `meta` may ride along):
+Accepted rows (a file may mix them; `id`, `category`, `source`, `meta`, `facts` may ride along):
   {"prompt": ..., "response": ...}
   {"question": ..., "answer": ...}
   {"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}
@@ -28,7 +28,7 @@ FORMATS = {
     "question/answer": ("question", "answer"),
     "messages": ("messages",),
 }
-METADATA_KEYS = frozenset({"id", "category", "source", "meta"})
+METADATA_KEYS = frozenset({"id", "category", "source", "meta", "facts"})  # facts: distlab.keyfacts
 OVERLONG_POLICIES = ("truncate", "reject", "error")
 MAX_ERRORS_SHOWN = 20
 

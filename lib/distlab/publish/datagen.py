@@ -338,7 +338,6 @@ def _validate_tables(tables: Tables) -> None:
                     raise TableError(rules_path, where, "text", f"unknown field {{{min(names - allowed)}}}: "
                                      f"a case can use {{{slot}}} and, with `above`, {{excess}}")
 
-    _validate_other(tables)
     longest_system = max(_words(s) for s in tables.system_prompts)
     topic_of: dict[str, str] = {}  # intent name -> topic
     seen: dict[str, tuple] = {}  # rendered prompt -> (intent, values)
@@ -352,6 +351,7 @@ def _validate_tables(tables: Tables) -> None:
     for i, name in enumerate(tables.demo_intents):
         if name not in topic_of:
             raise TableError(shared_path, None, f"demo_intents[{i}]", f"no intent named {name!r}")
+    _validate_other(tables)
 
 
 def _validate_other(tables: Tables) -> None:
