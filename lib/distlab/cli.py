@@ -27,7 +27,7 @@ class UsageError(ValueError):
 
 
 def _argparse_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    raise UsageError(f"{message} (see {parser.prog} --help)")
+    raise UsageError(f"{message} (see {prog_name()} --help)")
 
 
 def prog_name() -> str:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from distlab.cli import run_main
 from distlab.lan import jobs
 from distlab.lan.balance import predicted_step_ratio, rows_per_rank
 from distlab.lan.cgroups import HostLimits
@@ -124,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from distlab.cli import run_main
 from distlab.lan import jobs
 from distlab.lan.hosts import rate_bits
 from distlab.paths import BUILD_DIR
@@ -72,4 +73,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from distlab.cli import run_main
 from distlab.inference.checkpoint import random_checkpoint
 from distlab.launch import runner
 from distlab.paths import BUILD_DIR
@@ -86,4 +87,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

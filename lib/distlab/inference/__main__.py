@@ -1,5 +1,4 @@
-import sys
-
+from distlab.cli import run_main
 from distlab.inference.run import main
 
-sys.exit(main())
+run_main(main)

@@ -27,6 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from distlab.cli import run_main
 from distlab.generate import write_jsonl
 from distlab.inference.batches import micro_batches, read_prompts
 from distlab.inference.checkpoint import checkpoint_bytes
@@ -214,4 +215,4 @@ def arm_kill(pipe: Pipeline, at_step: int, log) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from distlab.cli import run_main
 from distlab.lan import hosts
 
 
@@ -38,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab.cli import run_main
 from distlab.config import load_config, parse_override
 from distlab.data import model_inputs
 from distlab.lan.balance import rows_per_rank, shares_from_throughput
@@ -64,4 +65,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

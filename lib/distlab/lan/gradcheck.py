@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.cli import run_main
 from distlab.config import load_config, parse_override
 from distlab.launch.jobs import TINY_CONFIG
 from distlab.prepare import prepare_run
@@ -52,4 +53,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -19,7 +19,6 @@ budget (chapter 01) trains in its kernel: its config is checked at world size 1.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -27,6 +26,7 @@ from typing import Any, Iterable, Sequence
 import nbformat
 
 from distlab import paths
+from distlab.cli import run_main
 from distlab.config import load_config
 from distlab.launch.jobs import TINY_CONFIG, training_spec
 from distlab.publish.profiles import discover, load_profiles, parameters_for, selects
@@ -165,4 +165,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -1,5 +1,4 @@
-import sys
-
+from distlab.cli import run_main
 from distlab.slurm.cli import main
 
-sys.exit(main())
+run_main(main)

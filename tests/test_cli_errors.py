@@ -1,0 +1,159 @@
+"""Bad input to any `python -m distlab.*` command: one line `<prog>: error: ...` on stderr, exit 2, no
+traceback; `--debug` shows the traceback. Every case runs the real command in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from distlab.config import ConfigError, TrainConfig, load_config, parse_override
+from distlab.paths import REPO_ROOT
+
+TINY = "lib/distlab/configs/tiny_lora.yaml"
+
+
+def _files(root):
+    """Bad inputs on disk: {name: path}."""
+    (root / "bad.yaml").write_text("max_steps: 10\nlr: fast\n")
+    (root / "broken.yaml").write_text("max_steps: [1\n")
+    (root / "empty_run").mkdir()
+    (root / "not_adapter").mkdir()
+    (root / "prompts.jsonl").write_text(json.dumps({"id": "p1", "prompt": "Hi", "facts": ["Okta"]}) + "\n")
+    (root / "no_markers.log").write_text("hello\nworld\n")
+    (root / "truncated.log").write_text("=== DISTLAB_RESULT_START rank=0 ===\n{\"rank\": 0\n")
+    (root / "answers").mkdir()
+    return root
+
+
+# (command, args, text the one line must contain); {d} is a folder of bad inputs
+CASES = [
+    ("distlab.train", ["--config", TINY, "--set", "max_steps=abc"], "--set: max_steps='abc' is not accepted"),
+    ("distlab.train", ["--config", TINY, "--set", "seq_len=0"], "seq_len=0 is not accepted: expected an integer >= 1"),
+    ("distlab.train", ["--config", TINY, "--set", "lr=-1"], "lr=-1 is not accepted: expected a number > 0"),
+    ("distlab.train", ["--config", TINY, "--set", "model=/no/such/model"], "no such folder /no/such/model"),
+    ("distlab.train", ["--config", "{d}/bad.yaml"], "bad.yaml:2: lr='fast' is not accepted"),
+    ("distlab.train", ["--config", "{d}/missing.yaml"], "missing.yaml: cannot read"),
+    ("distlab.train", [], "the following arguments are required: --config"),
+    ("distlab.infer", ["--prompts", "{d}/missing.jsonl"], "--prompts"),
+    ("distlab.infer", ["--prompts", "{d}/prompts.jsonl", "--adapter", "{d}/nope"], "no such folder"),
+    ("distlab.infer", ["--prompts", "{d}/prompts.jsonl", "--adapter", "{d}/not_adapter"], "no adapter_config.json"),
+    ("distlab.infer", ["--prompts", "{d}/prompts.jsonl", "--model", "/no/model"], "--model: model='/no/model'"),
+    ("distlab.infer", ["--prompts", "{d}/prompts.jsonl", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ("distlab.scaling", ["{d}/nope"], "no such run folder"),
+    ("distlab.scaling", ["{d}/empty_run"], "no step log"),
+    ("distlab.scaling", [], "the following arguments are required: RUN"),
+    ("distlab.report", ["{d}/nope"], "no such run folder or log file"),
+    ("distlab.report", ["{d}/no_markers.log"], "no DISTLAB_RESULT markers"),
+    ("distlab.report", ["{d}/truncated.log"], "truncated"),
+    ("distlab.report", ["{d}/empty_run"], "no console.log"),
+    ("distlab.matrix", ["--strategies", "dpp"], "unknown strategy 'dpp'"),
+    ("distlab.matrix", ["--world-sizes", "one"], "expected integers"),
+    ("distlab.matrix", ["--strategies", "single", "--world-sizes", "2"], "single runs on 1 rank only"),
+    ("distlab.matrix", ["--set", "lr=-1"], "--set: lr=-1 is not accepted"),
+    ("distlab.accept", ["{d}/nope"], "no such run folder"),
+    ("distlab.accept", ["{d}/empty_run", "--every", "0"], "--every 0"),
+    ("distlab.accept", ["{d}/empty_run", "--answers", "{d}/answers"], "no summary.json"),
+    ("distlab.monitor", [], "no command to monitor"),
+    ("distlab.monitor", ["--", "/no/such/program"], "No such file or directory"),
+    ("distlab.monitor", ["--interval-s", "0", "--", "true"], "must be > 0"),
+    ("distlab.launch", ["frobnicate"], "(see python -m"),
+    ("distlab.launch.k8s", ["--no-such-flag"], "(see python -m"),
+    ("distlab.bench.trainer_vs_hf", ["--no-such-flag"], "(see python -m"),
+    ("distlab.publish.datagen", ["--no-such-flag"], "(see python -m"),
+    ("distlab.workers.fingerprint", ["--no-such-flag"], "(see python -m"),
+]
+
+
+def _entry_modules():
+    """Every module of the package that runs as `python -m` (a __main__ block or a __main__.py)."""
+    package = REPO_ROOT / "lib" / "distlab"
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if path.name == "__main__.py" or 'if __name__ == "__main__":' in text:
+            yield path.relative_to(package.parent).with_suffix("").as_posix().replace("/", "."), text
+
+
+@pytest.mark.parametrize("module,text", list(_entry_modules()), ids=lambda v: v if v.startswith("distlab") else "")
+def test_every_entry_point_goes_through_run_main(module, text):
+    """The table above runs a sample of them; this holds the rest to the same wrapper."""
+    assert "run_main(main" in text, f"{module}: end with `run_main(main)` from distlab.cli (one-line errors, exit 2)"
+
+
+def _run(module, args, d):
+    cmd = [sys.executable, "-m", module, *[a.replace("{d}", str(d)) for a in args]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every case, three at a time (each pays an interpreter start and the imports)."""
+    d = _files(tmp_path_factory.mktemp("bad"))
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(_run, module, args, d) for module, args, _ in CASES]
+        return [f.result() for f in futures]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{m.split('.', 1)[1]}:{' '.join(a)[:40]}" for m, a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(outcomes, i):
+    module, args, expected = CASES[i]
+    proc = outcomes[i]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1, f"expected one line, got {len(lines)}:\n{proc.stderr[-3000:]}"
+    assert lines[0].startswith(f"python -m {module}: error: "), lines[0]
+    assert expected in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_debug_shows_the_traceback(tmp_path):
+    proc = _run("distlab.train", ["--config", TINY, "--set", "max_steps=abc", "--debug"], tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+
+
+# the config's own checks, in process (the subprocess table above covers how they reach the user)
+CONFIG_CASES = [
+    ("model=not a model", "neither an existing folder, nor a hub id"),
+    ("model=lib", "the folder lib holds no config.json"),
+    ("strategy=dpp", "one of single, ddp, fsdp"),
+    ("max_stepz=3", "unknown field 'max_stepz'"),
+    ("lr", "expected key=value"),
+    ("lora_dropout=1", "lora_dropout=1 is not accepted: expected a number in [0, 1)"),
+    ("device=gpu", "expected auto, cpu, cuda or cuda:N"),
+    ("packing=maybe", "expected true or false"),
+    ("lr=nan", "expected a number > 0"),
+    ("stage_layers=[2, 0]", "layer counts >= 1"),
+    ("max_steps=2.5", "expected an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("override,expected", CONFIG_CASES)
+def test_config_rejects_bad_values_at_read_time(override, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO_ROOT / TINY, dict([parse_override(override)]))
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_yaml_names_the_file_and_line(tmp_path):
+    (tmp_path / "broken.yaml").write_text("max_steps: [1\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:\d+: invalid YAML"):
+        load_config(tmp_path / "broken.yaml")
+
+
+def test_values_are_converted_to_the_declared_type():
+    cfg = load_config(REPO_ROOT / TINY, dict(parse_override(s) for s in
+                                             ["lr=2e-4", "max_steps=1e2", "packing=false", "lora_targets=q_proj,v_proj",
+                                              "global_batch_size=null"]))
+    assert cfg.lr == 0.0002 and isinstance(cfg.lr, float)
+    assert cfg.max_steps == 100 and isinstance(cfg.max_steps, int)
+    assert cfg.packing is False and cfg.lora_targets == ["q_proj", "v_proj"] and cfg.global_batch_size is None
+    with pytest.raises(ConfigError, match=r"seq_len=0 is not accepted"):
+        cfg.replace(seq_len=0)
+    with pytest.raises(ConfigError, match=r"TrainConfig: lr='fast' is not accepted"):
+        TrainConfig(lr="fast")
