@@ -153,7 +153,7 @@ def test_aggregate_plots_and_report(tmp_path):
     csv = collect.save_metrics(df, tmp_path, stamp)
     plots = collect.save_plots(df, tmp_path, stamp)
     report = collect.write_report(df, tmp_path, stamp, sections={"Extra": df[["run", "mean_loss"]]})
-    assert csv.name == "strategy_metrics.csv" and len(plots) == 4
+    assert csv.name == "strategy_metrics.csv" and len(plots) == 2
     assert csv.read_text().splitlines()[0].split(",") == collect.METRICS
     assert all(p.exists() and p.with_name(p.name + ".provenance.json").exists() for p in plots + [csv, report])
     text = report.read_text()

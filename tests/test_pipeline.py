@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from distlab.launch.jobs import launch_training
-from distlab.measure.bubble import read_timeline, stage_idle, step_summary, theoretical_bubble, transfers
+from distlab.measure.bubble import (
+    cost_bubble,
+    handoff,
+    handoff_bubble,
+    read_timeline,
+    stage_idle,
+    step_summary,
+    theoretical_bubble,
+    transfers,
+)
 from distlab.metrics import read_log
 from distlab.strategies.split import StageModule, split_layers, stack_microbatches
 
@@ -61,6 +70,26 @@ def test_bubble_theory_and_measurement_on_a_synthetic_timeline():
     (msg,) = transfers(events)
     assert msg["transfer_s"] == pytest.approx(0.25) and msg["blocked_s"] == pytest.approx(0.75)
     assert step_summary(events)["comm_bytes"] == 8
+
+
+def test_handoff_cost_and_the_models_built_on_it():
+    p, m, t, h = 2, 8, 1.0, 0.05
+    assert handoff_bubble(p, m, t, 0.0) == pytest.approx(theoretical_bubble(p, m))
+    excess = m * h / ((m + p - 1) * (t + h))
+    assert handoff_bubble(p, m, t, h) == pytest.approx(theoretical_bubble(p, m) + excess)
+    # Imbalance alone: the lighter stage idles more; the cost model's mean is above the theory.
+    assert cost_bubble([1.0, 1.2], 0.0, m) > theoretical_bubble(p, m)
+    # One stage: F0 [0, 1], gap 0.1, F1 [1.1, 2.1]; a receive posted at 2.1 whose send came at 2.5, done
+    # at 2.6, then B [2.6, 3.6]: 0.4 s waiting for the peer, 0.2 s of hand-off over 2 micro-batches.
+    events = [{"stage": 0, "kind": "F", "mb": 0, "t0": 0.0, "t1": 1.0},
+              {"stage": 0, "kind": "F", "mb": 1, "t0": 1.1, "t1": 2.1},
+              {"stage": 0, "kind": "recv", "peer": 1, "t0": 2.1, "t1": 2.6},
+              {"stage": 1, "kind": "send", "peer": 0, "t0": 2.5, "t1": 2.5},
+              {"stage": 0, "kind": "B", "mb": 0, "t0": 2.6, "t1": 3.6},
+              {"stage": 1, "kind": "B", "mb": 0, "t0": 1.5, "t1": 2.5}]
+    costs = handoff(events)
+    assert costs["compute_per_mb_s"][0] == pytest.approx(1.5)
+    assert costs["handoff_per_mb_s"][0] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("packing", [True, False])

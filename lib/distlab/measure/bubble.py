@@ -19,6 +19,28 @@ pipeline's bubble fraction is the mean idle fraction over stages. Unequal stages
 on the first, the LM head and loss on the last) raise the idle time of the lighter stage above
 the theory and lower the heavier stage's: the per-stage numbers show which.
 
+Hand-off. The theory counts compute only. Every micro-batch also crosses a stage boundary: the
+receiver's copy of the message (gloo on CPU), posting the send and receive, the schedule's Python
+between two ops. Per stage, the time inside its own window (its first op start to its last op
+end) that is neither compute nor waiting for the peer (a receive posted before the sender posted
+its send: that is the bubble) is its hand-off time; h = that time / m, averaged over stages.
+
+Models. With t_s the compute (forward + backward) per micro-batch of stage s and h the hand-off
+per micro-batch, the first micro-batch crosses every stage once, the other m - 1 follow at the
+pace of the slowest stage, and every one of the m + p - 1 slots carries one hand-off:
+
+    span = sum_s t_s + (m - 1) max_s t_s + (m + p - 1) h,   idle_s = 1 - m t_s / span.
+
+Equal stages (t_s = t): span = (m + p - 1)(t + h), so
+
+    bubble = 1 - m t / ((m + p - 1)(t + h)) = (p - 1)/(m + p - 1) + m h / ((m + p - 1)(t + h)):
+
+the theory plus an excess that grows with m towards h / (t + h). `handoff_bubble` is that model;
+`cost_bubble` adds the measured stage imbalance. Assumed: one thread per stage that computes and
+communicates in turn (no overlap, as on CPU with gloo), the same h for every micro-batch and
+direction, and the same t_s for every micro-batch. The simple theory applies where
+m h / (t + h) and the imbalance are small against the tolerance.
+
 Communication. A receive is complete at t1 of its event; its message could not move before both
 the sender had posted the send and the receiver the receive. The transfer time of a message is
 recv.t1 - max(recv.t0, send.t0), matching the k-th send from stage a to stage b with the k-th
@@ -94,10 +116,64 @@ def transfers(events: Sequence[dict]) -> list[dict]:
     return out
 
 
+def peer_waits(events: Sequence[dict]) -> dict[int, float]:
+    """Per stage, the time its receives waited for the sender to post (the k-th receive at b from a
+    matched with the k-th send from a to b), clipped to the stage's own compute window."""
+    ops = compute_events(events)
+    window = {s: (min(e["t0"] for e in ops if e["stage"] == s), max(e["t1"] for e in ops if e["stage"] == s))
+              for s in {e["stage"] for e in ops}}
+    sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e["t0"]):
+        if e["kind"] == "send":
+            sends[(e["stage"], e["peer"])].append(e)
+        elif e["kind"] == "recv":
+            recvs[(e["peer"], e["stage"])].append(e)
+    wait: dict[int, float] = defaultdict(float)
+    for pair, rs in recvs.items():
+        ss = sends.get(pair, [])
+        for k, r in enumerate(rs):
+            w0, w1 = window.get(r["stage"], (r["t0"], r["t1"]))
+            posted = ss[k]["t0"] if k < len(ss) else r["t1"]
+            start, end = max(r["t0"], w0), min(posted, r["t1"], w1)
+            wait[r["stage"]] += max(0.0, end - start)
+    return dict(wait)
+
+
+def handoff(events: Sequence[dict]) -> dict[str, Any]:
+    """Per stage: compute per micro-batch, and hand-off per micro-batch (its window minus compute minus
+    waiting for the peer, over m); see the module docstring."""
+    ops = compute_events(events)
+    waits = peer_waits(events)
+    m = len({e["mb"] for e in ops})
+    compute, hand = {}, {}
+    for s in sorted({e["stage"] for e in ops}):
+        mine = [e for e in ops if e["stage"] == s]
+        busy = sum(e["t1"] - e["t0"] for e in mine)
+        window = max(e["t1"] for e in mine) - min(e["t0"] for e in mine)
+        compute[s] = busy / m
+        hand[s] = max(0.0, window - busy - waits.get(s, 0.0)) / m
+    return {"compute_per_mb_s": [compute[s] for s in compute], "handoff_per_mb_s": [hand[s] for s in hand]}
+
+
+def cost_bubble(compute_per_mb: Sequence[float], handoff_per_mb: float, microbatches: int) -> float:
+    """Mean idle fraction over stages predicted from measured costs (module docstring): per-stage
+    compute t_s per micro-batch, hand-off h per micro-batch, m micro-batches."""
+    p, m = len(compute_per_mb), microbatches
+    span = sum(compute_per_mb) + (m - 1) * max(compute_per_mb) + (m + p - 1) * handoff_per_mb
+    return sum(1 - m * t / span for t in compute_per_mb) / p
+
+
+def handoff_bubble(stages: int, microbatches: int, compute_per_mb: float, handoff_per_mb: float) -> float:
+    """Equal stages with a hand-off h per micro-batch: 1 - m t / ((m + p - 1)(t + h))."""
+    return cost_bubble([compute_per_mb] * stages, handoff_per_mb, microbatches)
+
+
 def step_summary(events: Sequence[dict]) -> dict[str, Any]:
     """What the step log records per step: bubble, per-stage idle, communication time and bytes."""
     idle = stage_idle(events)
     msgs = transfers(events)
+    costs = handoff(events)
     return {
         "bubble_fraction": idle["bubble"],
         "stage_idle": [idle["idle"][s] for s in sorted(idle["idle"])],
@@ -108,6 +184,7 @@ def step_summary(events: Sequence[dict]) -> dict[str, Any]:
         "comm_bytes": int(sum(m["bytes"] for m in msgs)),
         "p2p_blocked_s": sum(m["blocked_s"] for m in msgs),
         "messages": len(msgs),
+        **costs,
     }
 
 
@@ -150,7 +227,9 @@ def aggregate(summaries: Sequence[dict], statistic: str = "median") -> dict[str,
     f = statistics.median if statistic == "median" else statistics.fmean
     out: dict[str, Any] = {k: f([s[k] for s in summaries]) for k in
                            ("bubble_fraction", "pipeline_span_s", "comm_time_s", "p2p_blocked_s", "comm_bytes")}
-    out["stage_idle"] = [f(list(v)) for v in zip(*[s["stage_idle"] for s in summaries])]
+    for key in ("stage_idle", "compute_per_mb_s", "handoff_per_mb_s"):
+        if all(key in s for s in summaries):
+            out[key] = [f(list(v)) for v in zip(*[s[key] for s in summaries])]
     out["steps"] = len(summaries)
     return out
 
@@ -210,47 +289,85 @@ def measure_run(run_dir) -> dict[str, Any]:
     agg.update(schedule=first["schedule"], stages=first["stages"], microbatches=first["microbatches"],
                theory=theoretical_bubble(first["stages"], first["microbatches"]))
     agg["diff"] = agg["bubble_fraction"] - agg["theory"]
+    t, h = agg["compute_per_mb_s"], statistics.fmean(agg["handoff_per_mb_s"])
+    agg["handoff_s"] = h
+    agg["model_handoff"] = handoff_bubble(first["stages"], first["microbatches"], statistics.fmean(t), h)
+    agg["model_costs"] = cost_bubble(t, h, first["microbatches"])
     return agg
 
 
 def bubble_sweep(microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("gpipe", "1f1b"),
                  model: str | None = None, micro_batch_size: int = 2, seq_len: int = 256, steps: int = 4,
                  stages: int = 2, runs_dir=None, prefix: str = "bubble",
-                 extra: dict | None = None, echo: bool = False, timeout_s: int = 900):
+                 extra: dict | None = None, echo: bool = False, timeout_s: int = 900, rounds: int = 1):
     """One measured pipeline run per (schedule, m) through the training loop, all in one launch
-    (jobs.launch_sweep); a table with the measured bubble (mean idle fraction over stages),
-    per-stage idle, the theory and |diff|."""
-
-
+    (jobs.launch_sweep), repeated `rounds` times (one launch per round, every configuration once in
+    each, so a slow spell of the machine touches all of them alike); one row per (round, schedule, m)
+    with the measured bubble (mean idle fraction over stages, median over steady steps), per-stage
+    idle, the theory, the two cost models and |measured - theory|. `over_rounds` summarises."""
     base = {"strategy": "pipeline", "pipeline_stages": stages, "model": model, "micro_batch_size": micro_batch_size,
             "seq_len": seq_len, "max_steps": steps, "warmup_steps": 1, "measure_comm": True, "eval_file": None,
             "save_model": False, "logging_steps": 1, "lora_dropout": 0.0, **(extra or {})}
-    variants = {f"{prefix}_{schedule}_m{m}": {"pipeline_schedule": schedule, "grad_accum": m}
-                for schedule in schedules for m in microbatches}
-    jobs = launch_sweep(prefix, stages, base, variants, runs_dir=runs_dir or RUNS_DIR, echo=False,
-                        timeout_s=timeout_s)
     rows = []
-    for name, job in jobs.items():
-        schedule, m = variants[name]["pipeline_schedule"], variants[name]["grad_accum"]
-        agg = measure_run(job.output_dir)
-        row = {"schedule": schedule, "schedule_run": agg["schedule"], "m": m, "p": stages,
-               "measured": agg["bubble_fraction"], "theory": agg["theory"], "abs_diff": abs(agg["diff"])}
-        for s, idle in enumerate(agg["stage_idle"]):
-            row[f"idle_stage{s}"] = idle
-        row.update(pipeline_span_s=agg["pipeline_span_s"], comm_time_s=agg["comm_time_s"],
-                   p2p_blocked_s=agg["p2p_blocked_s"])
-        steady = schema.steady(read_log(job.log))  # activation peaks: the most any steady step held, per stage
-        for s in range(len(steady[-1].get("stage_activation_peak_bytes", []))):
-            row[f"activation_peak_bytes_stage{s}"] = max(r["stage_activation_peak_bytes"][s] for r in steady)
-        row["run_dir"] = str(job.output_dir)
-        rows.append(row)
+    for rnd in range(rounds):
+        tag = prefix if rounds == 1 else f"{prefix}_r{rnd}"
+        variants = {f"{tag}_{schedule}_m{m}": {"pipeline_schedule": schedule, "grad_accum": m}
+                    for schedule in schedules for m in microbatches}
+        jobs = launch_sweep(tag, stages, base, variants, runs_dir=runs_dir or RUNS_DIR, echo=False,
+                            timeout_s=timeout_s)
+        for name, job in jobs.items():
+            schedule, m = variants[name]["pipeline_schedule"], variants[name]["grad_accum"]
+            rows.append(_sweep_row(job, rnd, schedule, m, stages))
+            if echo:
+                r = rows[-1]
+                idle = " ".join(f"{r[f'idle_stage{s}']:.3f}" for s in range(stages))
+                print(f"round {rnd} {schedule:5s} m={m}: bubble measured {r['measured']:.3f} (stages {idle}), "
+                      f"theory {r['theory']:.3f}, with hand-off {r['model_handoff']:.3f} "
+                      f"(h {r['handoff_ms']:.1f} ms, t {r['compute_ms']:.0f} ms per micro-batch), "
+                      f"span {r['pipeline_span_s'] * 1e3:.0f} ms", flush=True)
         if echo:
-            idle = " ".join(f"{row[f'idle_stage{s}']:.3f}" for s in range(stages))
-            print(f"{schedule:5s} m={m}: bubble measured {row['measured']:.3f} (stages {idle}), "
-                  f"theory {row['theory']:.3f}, span {row['pipeline_span_s'] * 1e3:.0f} ms", flush=True)
-    if echo:
-        print(f"{len(jobs)} runs in one launch: {next(iter(jobs.values())).result.elapsed_s:.0f} s", flush=True)
+            print(f"round {rnd}: {len(jobs)} runs in one launch: {next(iter(jobs.values())).result.elapsed_s:.0f} s",
+                  flush=True)
     return pd.DataFrame(rows)
+
+
+def _sweep_row(job, rnd: int, schedule: str, m: int, stages: int) -> dict[str, Any]:
+    agg = measure_run(job.output_dir)
+    t = agg["compute_per_mb_s"]
+    row = {"round": rnd, "schedule": schedule, "schedule_run": agg["schedule"], "m": m, "p": stages,
+           "measured": agg["bubble_fraction"], "theory": agg["theory"], "abs_diff": abs(agg["diff"]),
+           "model_handoff": agg["model_handoff"], "model_costs": agg["model_costs"],
+           "compute_ms": 1e3 * statistics.fmean(t), "handoff_ms": 1e3 * agg["handoff_s"],
+           "imbalance": max(t) / statistics.fmean(t) - 1}
+    for s, idle in enumerate(agg["stage_idle"]):
+        row[f"idle_stage{s}"] = idle
+    for s, ts in enumerate(t):
+        row[f"compute_ms_stage{s}"] = 1e3 * ts
+    row.update(pipeline_span_s=agg["pipeline_span_s"], comm_time_s=agg["comm_time_s"],
+               p2p_blocked_s=agg["p2p_blocked_s"])
+    steady = schema.steady(read_log(job.log))  # activation peaks: the most any steady step held, per stage
+    for s in range(len(steady[-1].get("stage_activation_peak_bytes", []))):
+        row[f"activation_peak_bytes_stage{s}"] = max(r["stage_activation_peak_bytes"][s] for r in steady)
+    row["run_dir"] = str(job.output_dir)
+    return row
+
+
+def over_rounds(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (schedule, m): the median over rounds of every number, the min and max of the
+    measured bubble (`measured_min`, `measured_max`), |median measured - theory|, and the run folder
+    of the median round (to draw)."""
+    out = []
+    for (schedule, m), g in df.groupby(["schedule", "m"], sort=False):
+        row = {"schedule": schedule, "m": m, "rounds": len(g), "schedule_run": g["schedule_run"].iloc[0]}
+        for c in g.columns:
+            if c not in row and c not in ("round", "run_dir") and pd.api.types.is_numeric_dtype(g[c]):
+                row[c] = float(g[c].median())
+        row["measured_min"], row["measured_max"] = float(g["measured"].min()), float(g["measured"].max())
+        row["abs_diff"] = abs(row["measured"] - row["theory"])
+        order = g.sort_values("measured")
+        row["run_dir"] = order["run_dir"].iloc[(len(order) - 1) // 2]
+        out.append(row)
+    return pd.DataFrame(out)
 
 
 def table_row(job, *, strategy: str, micro: int, ga: int, ckpt: bool, dtype: str, seq_len: int,
@@ -279,15 +396,19 @@ def typical_step(records: Sequence[dict]) -> dict:
 
 
 def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3.4)):
-    """Gantt charts side by side, one per labelled run folder, on a common time axis: the given
-    step, or each run's typical step (median span). Returns the figure."""
+    """Gantt charts side by side, one per labelled run folder, on a common time axis, all showing the
+    same step: the given one, or the first run's typical step (median span). Returns the figure."""
     import matplotlib.pyplot as plt  # deferred: plotting is only needed when drawing
 
+    timelines = {label: read_timeline(run_dir) for label, run_dir in runs.items()}
+    if step is None:
+        step = typical_step(next(iter(timelines.values())))["step"]
     fig, axes = plt.subplots(1, len(runs), figsize=figsize, sharex=True)
     axes = [axes] if len(runs) == 1 else list(axes)
-    for ax, (label, run_dir) in zip(axes, runs.items()):
-        records = read_timeline(run_dir)
-        rec = typical_step(records) if step is None else next(r for r in records if r["step"] == step)
+    for ax, (label, records) in zip(axes, timelines.items()):
+        rec = next((r for r in records if r["step"] == step), None)
+        if rec is None:
+            raise ValueError(f"{runs[label]}: no step {step} in its timeline (steps {[r['step'] for r in records]})")
         s = stage_idle(rec["events"])
         theory = theoretical_bubble(rec["stages"], rec["microbatches"])
         plot_timeline(ax, rec["events"], f"{label}: m={rec['microbatches']}, step {rec['step']}, bubble "

@@ -13,7 +13,8 @@ prints its result as one JSON object between two markers on stdout:
 skips anything silently: a START without END (a truncated log), JSON that does not parse, a rank
 reported twice, an END without START and a rank that is missing are errors naming the log and
 the line. `aggregate` turns runs into one row each (`figures/strategy_metrics.csv`),
-`save_plots` draws tokens/s, step time, peak memory per rank and scaling efficiency, and
+`save_plots` draws tokens/s and peak memory per rank (step time and scaling efficiency are tokens/s
+restated: they are in the CSV and the report, not drawn again), and
 `write_report` writes `figures/BENCHMARK_REPORT.md` with the tables and their provenance.
 
 Every column is one of distlab.results.schema's, computed by schema.summarise from the per-step lists
@@ -344,16 +345,17 @@ def save_metrics(df, figures_dir: str | Path, provenance: dict, name: str = "str
 
 
 # file names kept from the seed's benchmark framework
-PLOTS = {"tokens_per_s": "strategy_tokens_per_sec.png", "step_time_s": "strategy_step_time.png",
-         "peak_mem_bytes_per_rank": "strategy_peak_memory.png", "scaling_efficiency": "strategy_scaling_efficiency.png"}
+PLOTS = {"tokens_per_s": "strategy_tokens_per_sec.png", "peak_mem_bytes_per_rank": "strategy_peak_memory.png"}
 
 
 def _label(row) -> str:
     return f"{row['strategy']}\nx{row['world_size']}"
 
 
-def save_plots(df, figures_dir: str | Path, provenance: dict) -> list[Path]:
-    """The seed's four plots, one bar per run, grouped by mode (LoRA / full)."""
+def save_plots(df, figures_dir: str | Path, provenance: dict, memory_label: str = "peak memory per rank (MiB)"
+               ) -> list[Path]:
+    """Throughput and peak memory per rank, one bar per run, grouped by mode (LoRA / full). `memory_label`
+    says what the memory is (the process's peak RSS on CPU, the allocator's peak on a GPU)."""
     import matplotlib.pyplot as plt  # deferred: see the comment above METRICS
     import numpy as np  # deferred: see the comment above METRICS
 
@@ -361,9 +363,7 @@ def save_plots(df, figures_dir: str | Path, provenance: dict) -> list[Path]:
     modes = list(dict.fromkeys(df["mode"]))
     out = []
     specs = [("tokens_per_s", "tokens/s (all ranks)", "throughput"),
-             ("step_time_s", "seconds per optimizer step (slowest rank)", "step time"),
-             ("peak_mem_bytes_per_rank", "peak memory per rank (MiB)", "peak memory per rank"),
-             ("scaling_efficiency", "fraction of linear scaling vs 1 rank", "scaling efficiency")]
+             ("peak_mem_bytes_per_rank", memory_label, "peak memory per rank")]
     for key, ylabel, title in specs:
         fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.3), squeeze=False)
         for ax, mode in zip(axes[0], modes):
@@ -382,8 +382,6 @@ def save_plots(df, figures_dir: str | Path, provenance: dict) -> list[Path]:
                 for xi, v in zip(x, vals):
                     text = "n/a" if np.isnan(v) else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}")
                     ax.text(xi, 0 if np.isnan(v) else v, text, ha="center", va="bottom", fontsize=7)
-                if key == "scaling_efficiency":
-                    ax.axhline(1.0, color="0.6", ls="--", lw=1)
             ax.set_xticks(x, [_label(r) for _, r in sub.iterrows()], fontsize=7)
             ax.set_title(f"{title}: {mode}", fontsize=9)
             ax.set_ylabel(ylabel, fontsize=8)
