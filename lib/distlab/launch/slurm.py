@@ -47,6 +47,7 @@ class SlurmSpec:
     args: list[str] = field(default_factory=list)
     nodes: int = 2
     tasks_per_node: int = 1
+    ntasks: int | None = None            # a total instead of per node (3 stages on 2 nodes)
     cpus_per_task: int = 1
     gpus_per_task: int | None = None
     time: str = "00:10:00"
@@ -70,6 +71,9 @@ class SlurmSpec:
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise LaunchSpecError(attr, f"{value!r}: need an integer >= {low}")
+        if self.ntasks is not None and (isinstance(self.ntasks, bool) or not isinstance(self.ntasks, int)
+                                        or not self.nodes <= self.ntasks):
+            raise LaunchSpecError("ntasks", f"{self.ntasks!r}: None or an integer >= nodes ({self.nodes})")
         if self.gpus_per_task is not None and (isinstance(self.gpus_per_task, bool) or
                                                not isinstance(self.gpus_per_task, int) or self.gpus_per_task < 1):
             raise LaunchSpecError("gpus_per_task", f"{self.gpus_per_task!r}: None or an integer >= 1")
@@ -93,7 +97,7 @@ class SlurmSpec:
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.tasks_per_node
+        return self.ntasks or self.nodes * self.tasks_per_node
 
 
 def q(value) -> str:
@@ -106,14 +110,15 @@ def render_sbatch(spec: SlurmSpec) -> str:
              f"#SBATCH --job-name={spec.name}",
              *([f"#SBATCH --partition={spec.partition}"] if spec.partition else []),
              f"#SBATCH --nodes={spec.nodes}",
-             f"#SBATCH --ntasks-per-node={spec.tasks_per_node}",
+             f"#SBATCH --ntasks={spec.ntasks}" if spec.ntasks else f"#SBATCH --ntasks-per-node={spec.tasks_per_node}",
              f"#SBATCH --cpus-per-task={spec.cpus_per_task}",
              *([f"#SBATCH --gres=gpu:{spec.gpus_per_task * spec.tasks_per_node}"] if spec.gpus_per_task else []),
              f"#SBATCH --time={spec.time}",
              f"#SBATCH --output={spec.log_dir}/%x-%j.out",
              f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/slurm.py): do not edit by hand.",
              *([f"# {spec.description}"] if spec.description else []),
-             f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s) = world size {spec.world_size}"
+             (f"# {spec.ntasks} tasks on {spec.nodes} node(s)" if spec.ntasks else
+              f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s)") + f" = world size {spec.world_size}"
              + (f"; container {spec.container.runtime} (rendered here, not executed)" if spec.container else ""),
              "# Submit from the repository root (Slurm opens the --output file first, so its folder must exist):",
              f"#   mkdir -p {spec.log_dir} && sbatch {spec.script_dir}/submit.sbatch",

@@ -86,3 +86,17 @@ def elapsed_s(text: str) -> int:
     while len(parts) < 3:
         parts.insert(0, 0)
     return int(timedelta(days=int(days or 0), hours=parts[0], minutes=parts[1], seconds=parts[2]).total_seconds())
+
+
+def run_spec(cluster: Cluster, spec, timeout_s: float, env: dict | None = None, root: str | Path | None = None):
+    """Write a SlurmSpec's scripts under `root` (the repository), submit them from there, wait for the end;
+    returns (job id, completion record). The log folder is created first: Slurm opens --output itself."""
+    # deferred: the script writer lives in distlab.launch, which this package otherwise does not need
+    from distlab.launch.slurm import write_files
+    from distlab.paths import REPO_ROOT
+
+    root = Path(root or REPO_ROOT)
+    write_files(spec, root)
+    (root / spec.log_dir).mkdir(parents=True, exist_ok=True)
+    job_id = submit(cluster, root / spec.script_dir / "submit.sbatch", env=env, cwd=root)
+    return job_id, wait(cluster, job_id, timeout_s)

@@ -1,0 +1,66 @@
+"""Reading a pipeline-inference run back (what a job wrote into its out-dir) and drawing its stage
+timeline: one row per stage, one bar per forward (prefill darker), micro-batches told apart by colour."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+MIB = 2 ** 20
+
+
+def load_run(out_dir: str | Path) -> dict:
+    """{'summary': dict, 'completions': DataFrame, 'stages': [stage dicts by rank], 'memory': DataFrame}."""
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "summary.json"
+    if not summary_path.is_file():
+        raise FileNotFoundError(f"{out_dir}: no summary.json (the job did not finish; see its rank logs)")
+    summary = json.loads(summary_path.read_text())
+    rows = [json.loads(ln) for ln in (out_dir / "completions.jsonl").read_text().splitlines() if ln.strip()]
+    stages = [json.loads((out_dir / f"stage{r}.json").read_text()) for r in range(summary["stages"])]
+    def rss_delta(m):
+        return (m["rss_after_load"] - m["rss_before_load"]) / MIB
+
+    memory = pd.DataFrame([{"stage": s["rank"], "layers": len(s["layers"]),
+                            "stage_params_mib": s["memory"]["stage_param_bytes"] / MIB,
+                            "checkpoint_mib": s["memory"]["checkpoint_bytes"] / MIB,
+                            "read_mib": s["memory"]["read_bytes"] / MIB,
+                            "rss_load_delta_mib": rss_delta(s["memory"]),
+                            "peak_rss_mib": s["memory"]["peak_rss"] / MIB} for s in stages])
+    return {"summary": summary, "completions": pd.DataFrame(rows), "stages": stages, "memory": memory}
+
+
+def latency_stats(run: dict) -> dict:
+    """Tokens/s and the mean time to first token / per-token latency over the run's prompts."""
+    c = run["completions"]
+    return {"tokens_per_s": run["summary"]["tokens_per_s"], "ttft_s": float(c["ttft_s"].mean()),
+            "per_token_s": float(c["per_token_s"].dropna().mean()) if c["per_token_s"].notna().any() else float("nan"),
+            "wall_s": run["summary"]["wall_s"], "new_tokens": run["summary"]["new_tokens"]}
+
+
+def busy_fraction(stage: dict) -> float:
+    """Share of the stage's wall time spent in its own forwards (the rest: waiting for a neighbour)."""
+    busy = sum(e["end"] - e["start"] for e in stage["events"])
+    span = max(e["end"] for e in stage["events"]) - min(e["start"] for e in stage["events"])
+    return busy / span if span > 0 else 0.0
+
+
+def plot_timeline(ax, stages: list[dict], until_s: float | None = None) -> None:
+    """Each stage's forwards as bars over time (ms): who works while whom waits."""
+    # deferred: matplotlib only when drawing
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    t0 = min(e["start"] for s in stages for e in s["events"])
+    for s in stages:
+        for e in s["events"]:
+            if until_s is not None and e["start"] - t0 > until_s:
+                continue
+            ax.broken_barh([((e["start"] - t0) * 1e3, (e["end"] - e["start"]) * 1e3)], (s["rank"] - 0.4, 0.8),
+                           facecolors=cmap(e["mb"] % 10), alpha=1.0 if e["kind"] == "prefill" else 0.6,
+                           edgecolor="black" if e["kind"] == "prefill" else "none", linewidth=0.5)
+    ax.set_yticks([s["rank"] for s in stages], [f"stage {s['rank']}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since generation started (ms)")
