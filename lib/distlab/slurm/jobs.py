@@ -8,9 +8,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from distlab.paths import REPO_ROOT
 from distlab.slurm.cluster import Cluster
 
-SACCT_FIELDS = "JobID,JobName,Partition,NNodes,NCPUS,NodeList,State,ExitCode,Elapsed,Timelimit"
+SACCT_FIELDS = "JobID,JobName%16,Partition,NNodes,NCPUS,NodeList,State,ExitCode,Elapsed,Timelimit"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
                 "BOOT_FAIL", "DEADLINE"}
 
@@ -91,9 +92,7 @@ def elapsed_s(text: str) -> int:
 def run_spec(cluster: Cluster, spec, timeout_s: float, env: dict | None = None, root: str | Path | None = None):
     """Write a SlurmSpec's scripts under `root` (the repository), submit them from there, wait for the end;
     returns (job id, completion record). The log folder is created first: Slurm opens --output itself."""
-    # deferred: the script writer lives in distlab.launch, which this package otherwise does not need
-    from distlab.launch.slurm import write_files
-    from distlab.paths import REPO_ROOT
+    from distlab.launch.slurm import write_files  # deferred: distlab.launch loads the strategies
 
     root = Path(root or REPO_ROOT)
     write_files(spec, root)
