@@ -269,15 +269,16 @@ def _words(*texts: str) -> int:
     return sum(len(t.split()) for t in texts)
 
 
-def _derived(slot: str, value: int, tables: Tables, other: bool, facts: list[str]) -> dict[str, str]:
-    """The answer fields rules.yaml computes from one slot value: per field, the first case it is above
-    (with `other`, the other company's thresholds and text)."""
+def _derived(slot: str, value: int, tables: Tables, other: bool) -> dict[str, tuple[str, list[str]]]:
+    """The answer fields rules.yaml computes from one slot value: per field, the text of the first case it is
+    above (with `other`, the other company's thresholds and text) and the key facts that text states."""
     fields, moved = {}, tables.other.thresholds.get(slot, {}) if other else {}
     for field, cases in tables.rules.get(slot, {}).items():
         above, text = next((moved.get(above, above), text) for above, text in cases
                            if above is None or value > moved.get(above, above))
+        facts: list[str] = []
         text = tables.other.swap(text, facts, replace=other)  # before filling: slot values are never facts
-        fields[field] = text.format(**{slot: value, "excess": value - (above or 0)})
+        fields[field] = (text.format(**{slot: value, "excess": value - (above or 0)}), facts)
     return fields
 
 
@@ -285,9 +286,11 @@ def _render(intent: Intent, phrasing: int, values: tuple, tables: Tables,
             other: bool = False) -> tuple[str, str, tuple[str, ...]]:
     """(prompt, answer, key facts): the facts are the other_company.yaml keys in the answer's template and
     rule texts, which `other=True` replaces with the other company's."""
-    context, facts = dict(zip(_slots(intent), values)), []
+    context, facts, used = dict(zip(_slots(intent), values)), [], _fields(intent.answer)
     for slot, value in list(context.items()):
-        context.update(_derived(slot, value, tables, other, facts))
+        for field, (text, field_facts) in _derived(slot, value, tables, other).items():
+            context[field] = text
+            facts += [f for f in field_facts if field in used and f not in facts]  # only rule texts it states
     answer = tables.other.swap(intent.answer, facts, replace=other).format(**context)
     return intent.phrasings[phrasing].format(**context), answer, tuple(facts)
 
