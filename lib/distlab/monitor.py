@@ -45,12 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=3600, help="kill the command's group after this")
     parser.add_argument("--quiet", action="store_true", help="do not echo the command's output")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        raise UsageError("no command to monitor: put it after `--`, e.g. python -m distlab.monitor -- sleep 1")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     args, cmd = parser.parse_args(argv[:split]), argv[split + 1:]
     if not cmd:
-        raise UsageError("no command after `--`")
+        raise UsageError("no command to monitor: put it after `--`, e.g. python -m distlab.monitor -- sleep 1")
     if args.interval_s <= 0 or args.timeout_s <= 0:
         raise UsageError(f"--interval-s {args.interval_s} / --timeout-s {args.timeout_s}: both must be > 0")
     out = Path(args.out)
