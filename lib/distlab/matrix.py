@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = cells(_names(args.strategies, "strategies"), world_sizes)
     overrides = {**dict(parse_override(s) for s in args.set), "max_steps": args.steps, "progress": False}
     for strategy, _ in todo:  # every field checked before anything is launched
-        load_config(args.config, {**overrides, "strategy": strategy})
+        model = load_config(args.config, {**overrides, "strategy": strategy}).model or "distlab-tiny"
     failed = []
     for strategy, k in todo:
         name = f"{strategy}_ws{k}"
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampler.stop()
         if sampler:  # into the run folder, which the launch cleared and re-created
             csv = sampler.csv_path.replace(run_dir / "monitor.csv")
-            plot_utilization(csv, run_dir / "monitor.png", stamp("matrix", k, run=name), title=f"{name}: activity")
+            plot_utilization(csv, run_dir / "monitor.png", stamp(model, k, run=name), title=f"{name}: activity")
         status = "ok" if job.result.ok else ("timed out" if job.result.timed_out else
                                              f"failed (exit {job.result.returncode})")
         print(f"[matrix] {name}: {status} in {time.monotonic() - t0:.1f} s -> {run_dir}", flush=True)
