@@ -22,18 +22,28 @@ from distlab.publish.provenance import stamp
 from distlab.results import collect
 
 
-def results_of(source: str) -> list[dict[int, dict]]:
-    """Runs (rank -> record) found in one source; a log holding several runs is split by run name."""
-    path = Path(source)
-    if path.is_dir():
-        return [collect.collect_run(path)]
-    if not path.is_file():
-        raise FileNotFoundError(f"{source}: no such run folder or log file")
+def collect_sources(sources: list[str]) -> list[dict[int, dict]]:
+    """Runs (rank -> record) from run folders and log files. Records are grouped by run name, so one run's
+    ranks may come from several logs (torchrun's per-rank stdout.log files, one kubectl log per pod), and
+    one log may hold several runs; a rank of a run found twice is an error."""
     runs: dict[str, dict[int, dict]] = {}
-    for rank, rec in collect.extract_results(path).items():
-        runs.setdefault(rec.get("run", "?"), {})[rank] = rec
-    if not runs:
-        raise collect.ResultLogError(f"{source}: no DISTLAB_RESULT markers in this log")
+    where: dict[tuple[str, int], str] = {}
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            found = collect.collect_run(path)
+        elif path.is_file():
+            found = collect.extract_results(path)
+            if not found:
+                raise collect.ResultLogError(f"{source}: no DISTLAB_RESULT markers in this log")
+        else:
+            raise FileNotFoundError(f"{source}: no such run folder or log file")
+        for rank, rec in found.items():
+            key = (rec.get("run", "?"), rank)
+            if key in where:
+                raise UsageError(f"run {key[0]} rank {rank} given twice: in {where[key]} and in {source}")
+            where[key] = source
+            runs.setdefault(key[0], {})[rank] = rec
     return list(runs.values())
 
 
@@ -43,10 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(BUILD_DIR / "report"), help="folder for the csv, plots and report")
     parser.add_argument("--title", default="Strategy benchmark")
     args = parser.parse_args(argv)
-    runs = [run for source in args.sources for run in results_of(source)]
-    names = [r[min(r)]["run"] for r in runs]
-    if len(set(names)) != len(names):
-        raise UsageError(f"a run is given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    runs = collect_sources(args.sources)
     df = collect.aggregate(runs)
     models = sorted({r[min(r)].get("model", "?") for r in runs})
     provenance = stamp(", ".join(models), "/".join(str(w) for w in df["world_size"]))
