@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default="balanced", help="balanced | tiny | an HF id or folder")
     parser.add_argument("--tolerance", type=float, default=0.05, help="|measured - theory| allowed for m >= 2")
+    parser.add_argument("--timeout-s", type=int, default=1800, help="per launch (one round)")
+    parser.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 2:
         parser.error("--rounds must be >= 1 and --steps >= 2 (the first step is warm-up)")
@@ -62,8 +64,8 @@ def main(argv=None) -> int:
           f"{args.rounds} round(s); load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         runs = bubble_sweep(ms, args.schedules.split(","), model=model, micro_batch_size=args.micro_batch_size,
-                            seq_len=args.seq_len, steps=args.steps, runs_dir=Path(tmp), prefix="bench",
-                            echo=True, rounds=args.rounds)
+                            seq_len=args.seq_len, steps=args.steps, runs_dir=Path(args.runs_dir or tmp),
+                            prefix="bench", echo=True, rounds=args.rounds, timeout_s=args.timeout_s)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     df = over_rounds(runs)
     df["handoff_share"] = df["handoff_ms"] / (df["compute_ms"] + df["handoff_ms"])
