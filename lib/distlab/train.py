@@ -28,6 +28,7 @@ from distlab import checkpoint, faults
 from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
 from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
+from distlab.lan import slowdown
 from distlab.lan.balance import rows_per_rank
 from distlab.measure.meter import Meter
 from distlab.metrics import StepLog, train_flops_per_token
@@ -135,6 +136,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
     n_total, n_trainable = count_parameters(model)
     model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
+    slowdown.install(strategy.unwrap(model))  # chapter 05's emulated slow device (DISTLAB_SLOWDOWN); off by default
     accum = cfg.micro_steps(strategy.data_parallel_size)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)

@@ -45,10 +45,10 @@ def calibrate(placement: jobs.Placement, limits, overrides: dict[str, Any], rows
 
 
 def compare(placement: jobs.Placement, quotas: list[float], *, micro: int = 4, steps: int = 8, rounds: int = 2,
-            name: str = "balance", echo=False, timeout_s: int = 600) -> dict:
+            name: str = "balance", echo=False, timeout_s: int = 600, cpu_mode: str = "quota") -> dict:
     """Calibrate, then naive vs balanced in one launch. Returns the numbers the chapter prints."""
     world = len(quotas)
-    limits = [HostLimits(cpu=q) for q in quotas]
+    limits = [HostLimits(cpu=q, cpu_mode=cpu_mode) for q in quotas]
     global_rows = micro * world
     calib = calibrate(placement, limits, SMALL, rows=micro, global_rows=global_rows, echo=echo)
     shares = calib["shares"]
@@ -70,7 +70,7 @@ def compare(placement: jobs.Placement, quotas: list[float], *, micro: int = 4, s
         tps[kind].append(row["tokens_per_s"])
     naive, balanced = statistics.median(times["naive"]), statistics.median(times["balanced"])
     split = rows_per_rank(global_rows, shares, world, minimum=1)
-    return {"placement": placement.kind, "quotas": quotas, "cgroups": cgroups_supported()[0],
+    return {"placement": placement.kind, "quotas": quotas, "cgroups": cgroups_supported()[0], "cpu_mode": cpu_mode,
             "rows_per_s": calib["rows_per_s"], "shares": shares, "global_rows": global_rows,
             "naive_split": [micro] * world, "balanced_split": split,
             "predicted_ratio": predicted_step_ratio(calib["rows_per_s"], split, [micro] * world),
@@ -81,7 +81,7 @@ def compare(placement: jobs.Placement, quotas: list[float], *, micro: int = 4, s
 
 
 def report(r: dict) -> str:
-    return (f"{r['placement']} cluster, CPU quotas {r['quotas']} (cgroups: {r['cgroups']}): calibrated rows/s "
+    return (f"{r['placement']} cluster, CPU quotas {r['quotas']} ({r['cpu_mode']}; cgroups: {r['cgroups']}): rows/s "
             f"{[round(x, 2) for x in r['rows_per_s']]} -> shares {r['shares']}; global batch {r['global_rows']} "
             f"rows split naive {r['naive_split']} vs balanced {r['balanced_split']}\n"
             f"  step time naive {r['naive_step_s']:.3f} s, balanced {r['balanced_step_s']:.3f} s: ratio "
@@ -96,6 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--micro", type=int, default=6, help="naive rows per rank per step")
     ap.add_argument("--three-node", action="store_true", help="also seed 001's 100/50/50%% cluster")
+    ap.add_argument("--cpu-mode", choices=["quota", "duty", "sleep"], default="quota",
+                    help="quota: cgroup cfs quota; duty: SIGSTOP/SIGCONT duty cycle; "
+                         "sleep: (1/quota - 1) x compute after each step (relative: robust on a loaded machine)")
     ap.add_argument("--out", type=Path, default=BUILD_DIR / "lan" / "lan_balance.json")
     args = ap.parse_args(argv)
     try:
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
         with placement.running():
             print(placement.describe(), flush=True)
             results[label] = compare(placement, q, micro=args.micro, steps=args.steps, rounds=args.rounds,
-                                     name=f"balance_{label}")
+                                     name=f"balance_{label}", cpu_mode=args.cpu_mode)
         print(report(results[label]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

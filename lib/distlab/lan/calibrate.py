@@ -19,6 +19,7 @@ import torch.distributed as dist
 from distlab.cli import run_main
 from distlab.config import load_config, parse_override
 from distlab.data import model_inputs
+from distlab.lan import slowdown
 from distlab.lan.balance import rows_per_rank, shares_from_throughput
 from distlab.launch.jobs import TINY_CONFIG
 from distlab.prepare import prepare_run
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
         choice, _, train_data, _, model = prepare_run(cfg, SingleDevice())
         model.train()
+        slowdown.install(model)  # an emulated slow device (DISTLAB_SLOWDOWN) is slow here too
         batch = model_inputs(train_data.batch(list(range(args.rows))), choice.device)
         model(**batch).backward()  # warm-up: allocations, first-call overheads
         t0 = time.perf_counter()

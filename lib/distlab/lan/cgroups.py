@@ -51,12 +51,19 @@ def supported() -> tuple[bool, str]:
 class HostLimits:
     cpu: float | None = None  # cores; None: unlimited
     memory_bytes: int | None = None  # None: unlimited
+    # "quota": cgroup cfs quota (exact on an idle machine); "duty": the SIGSTOP/SIGCONT Throttle, which
+    # stays relative on a machine other jobs load (a quota above what a busy core gives no longer binds)
+    # "sleep": distlab.lan.slowdown (DISTLAB_SLOWDOWN = 1/cpu), relative to the rank's own compute
+    cpu_mode: str = "quota"
+
+    def env(self) -> dict[str, str]:
+        return {"DISTLAB_SLOWDOWN": f"{1 / self.cpu:g}"} if self.cpu and self.cpu_mode == "sleep" else {}
 
     def apply(self, name: str) -> list[str]:
         """Create (or reset) the host's groups and return an argv prefix that moves the command into them.
         The prefix is `sh -c 'echo $$ > .../cgroup.procs; exec "$@"'`: the command and all it starts inherit."""
         dirs = []
-        if self.cpu is not None:
+        if self.cpu is not None and self.cpu_mode == "quota":
             d = _fresh("cpu", name)
             (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (d / "cpu.cfs_quota_us").write_text(str(int(self.cpu * PERIOD_US)))
@@ -143,7 +150,7 @@ class Throttle:
         try:
             root = psutil.Process(self.root)
             return [root, *root.children(recursive=True)]
-        except psutil.Error:
+        except (psutil.Error, ValueError):  # gone, or not attached yet (root -1)
             return []
 
     def _signal(self, sig: int) -> None:

@@ -55,7 +55,11 @@ class Placement:
 
     @property
     def addresses(self) -> list[str]:
-        return self.cluster.addresses if self.cluster else ["127.0.0.1"] * self.nodes
+        return self.cluster.addresses[:self.nodes] if self.cluster else ["127.0.0.1"] * self.nodes
+
+    def subset(self, nodes: int) -> "Placement":
+        """The first `nodes` hosts of the same cluster (a 2-host job on the 3-host LAN)."""
+        return Placement(nodes, self.cluster, self.why_local)
 
     @property
     def ifname(self) -> str:
@@ -160,11 +164,13 @@ def run_spec(placement: Placement, spec: LaunchSpec, name: str, *, limits: Seque
         inside = limits[i].apply(placement.name(i)) if use_cgroups else []
         cmd = [*placement.prefix(i), *inside, "bash", str(scripts[i])]
         throttle = None
-        if not use_cgroups and limits[i].cpu is not None:
+        if limits[i].cpu is not None and (limits[i].cpu_mode == "duty" or (limits[i].cpu_mode == "quota"
+                                                                            and not use_cgroups)):
             throttle = _throttle_when_started(scripts[i], limits[i].cpu)
         try:
             results[i] = run(cmd, timeout_s=timeout_s, log_path=SCRIPTS_DIR.parent / "logs" / name / f"node{i}.log",
-                             env={"PYTHON": sys.executable}, echo=emitter(i), check=False, cwd=REPO_ROOT)
+                             env={"PYTHON": sys.executable, **limits[i].env()}, echo=emitter(i), check=False,
+                             cwd=REPO_ROOT)
         finally:
             if throttle:
                 throttle.stop()
