@@ -96,7 +96,10 @@ def test_dtypes_and_guards():
     cfg = memory.QWEN25_7B
     bf16 = memory.plan_memory(cfg, dtype="bf16", lora_r=16)
     q4 = memory.plan_memory(cfg, dtype="4bit", lora_r=16)
-    assert q4.weights == pytest.approx(bf16.weights / 4) and q4.adapter_weights == 2 * bf16.adapter_weights
+    # PEFT keeps its adapters in fp32 over any 16-bit or quantised base (autocast_adapter_dtype)
+    assert q4.weights == pytest.approx(bf16.weights / 4) and q4.adapter_weights == bf16.adapter_weights
+    n_lora = memory.lora_parameter_count(cfg, 16, LORA_TARGETS)
+    assert bf16.adapter_weights == bf16.gradients == 4 * n_lora and bf16.optimizer_state == 8 * n_lora
     with pytest.raises(ValueError, match="only be trained through LoRA"):
         memory.plan_memory(cfg, dtype="4bit", lora_r=None)
     with pytest.raises(ValueError, match="unknown strategy"):

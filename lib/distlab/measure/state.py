@@ -202,7 +202,14 @@ class TrainingMemory:
 
     measured: MemoryBreakdown
     model_config: Any  # the HF config of the model the run built
-    estimate_args: dict[str, Any]  # bytes per weight and activation, LoRA, batch shape, loss-token fraction
+    estimate_args: dict[str, Any]  # the trainer's dtype, LoRA, batch shape, loss-token fraction
+
+
+def trainer_dtype(choice) -> str:
+    """The trainer's dtype name for a device choice ("auto" resolved): what the planner plans with."""
+    names = {(torch.float32, None): "fp32", (torch.float32, torch.bfloat16): "bf16-autocast",
+             (torch.bfloat16, None): "bf16", (torch.float32, torch.float16): "fp16-autocast"}
+    return names[(choice.dtype, choice.autocast_dtype)]
 
 
 def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
@@ -225,11 +232,9 @@ def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
     optimizer.step()  # creates AdamW's moments
     measured = measure_state(model, optimizer)
     measured.activations = activations
-    weight_bytes = torch.finfo(choice.dtype).bits / 8
     estimate_args = dict(
-        weight_bytes=weight_bytes, lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
-        trainable_bytes=weight_bytes, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
-        activation_bytes=2 if choice.autocast_dtype is not None else weight_bytes,
+        dtype=trainer_dtype(choice), lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
+        micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
         activation_checkpointing=cfg.activation_checkpointing, lora_dropout=cfg.lora_dropout,
         loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel())
     return TrainingMemory(measured, model.causal_lm.config, estimate_args)

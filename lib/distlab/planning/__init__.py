@@ -8,6 +8,8 @@ Read in this order:
            case (`estimate_training_memory`)                                                  ch. 01, 03
   advice   communication per step and the LAN-cluster guide's decision tree
            (`decide` -> `explain`, both in `recommend`)                                        ch. 03
+  zero_paper  the ZeRO paper's (2 + 2 + K) Psi / N_d model states next to the planner and measured
+           bytes, with why they differ (`zero_paper_table`, `explain_zero_paper`)                   ch. 03
   memory   the names the chapters use (`from distlab.planning import memory`), with the
            breakdown tables and figures                                                       ch. 01, 03
 

@@ -26,24 +26,95 @@ from distlab.planning.shapes import (
 from distlab.strategies import PIPELINE_STRATEGIES, STRATEGY_NAMES
 from distlab.strategies.split import split_layers
 
-# Optimizer state per trained weight: AdamW's two fp32 moments (8 bytes), none for SGD, 8-bit AdamW's 2.
+# Optimizer state per trained weight with fp32 moments: AdamW's two (8 bytes), none for SGD, 8-bit AdamW's 2.
 MOMENT_BYTES = {"adamw": 8, "sgd": 0, "adamw8bit": 2}
 FP32_BYTES = 4  # an fp32 value: DeepSpeed's master copy of the trained weights, fp32 gradient buffers
 ZERO_ALIGNMENT = 2  # ZeRO-1/2 pad each flat group to a multiple of 2 x world (DeepSpeed's nccl_start_alignment_factor)
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
+ZERO_STRATEGIES = ("zero2", "zero3")
 
 # dtype -> (bytes per stored weight, bytes per activation value). "bf16-autocast" keeps fp32 weights
 # and computes in bf16 (torch autocast); DeepSpeed's bf16 mode instead stores the model in bf16 and
-# keeps an fp32 master copy of the trained weights in its optimizer.
+# keeps an fp32 master copy of the trained weights in its optimizer. int8/4bit/nf4/fp16 are planning
+# shapes only (quantised or fp16 base weights); the trainer accepts TRAINER_DTYPES.
 DTYPE_BYTES = {"fp32": (4, 4), "bf16-autocast": (4, 2), "fp16-autocast": (4, 2), "bf16": (2, 2), "fp16": (2, 2),
                "int8": (1, 2), "4bit": (0.5, 2), "nf4": (0.5, 2)}
+# The dtypes distlab.train accepts (besides "auto"), planned exactly as the trainer lays them out (`precision`).
+TRAINER_DTYPES = ("fp32", "bf16-autocast", "bf16", "fp16-autocast")
 
 
-def moment_bytes(optimizer: str) -> float:
-    """Optimizer state bytes per trained weight (the one place the planner knows them)."""
+def moment_bytes(optimizer: str, value_bytes: float = FP32_BYTES) -> float:
+    """Optimizer state bytes per trained weight (the one place the planner knows them). torch's AdamW
+    keeps its two moments in the dtype of the tensor it updates (`value_bytes`: 4 for fp32 weights or
+    DeepSpeed's fp32 master partition, 2 for weights stored in bf16); 8-bit AdamW keeps 2 bytes whatever."""
     if optimizer not in MOMENT_BYTES:
         raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(MOMENT_BYTES)}")
-    return MOMENT_BYTES[optimizer]
+    return MOMENT_BYTES[optimizer] * value_bytes / FP32_BYTES if optimizer == "adamw" else MOMENT_BYTES[optimizer]
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per value of everything a rank stores, for one dtype and strategy."""
+
+    weight_bytes: float  # per stored base weight (the frozen ones with LoRA)
+    trainable_bytes: float  # per trained weight (LoRA adapter, or base weight in full fine-tuning) and its .grad
+    activation_bytes: float  # per activation value autograd keeps
+    moment_bytes: float  # optimizer state per trained weight, for an optimizer updating the trained tensors
+    zero_grad_bytes: float  # DeepSpeed's gradient accumulation dtype: its model dtype (bf16 in its bf16 mode)
+    deepspeed_bf16: bool  # DeepSpeed's bf16 mode: the whole module cast to bf16, fp32 master copy
+
+
+def precision(dtype: str, strategy: str = "single", lora: bool = True, optimizer: str = "adamw") -> Precision:
+    """What distlab's trainer stores in `dtype` (one of TRAINER_DTYPES) under `strategy`, as
+    distlab.device.choose_device, distlab.prepare and the strategies build it:
+
+      fp32, fp16-autocast, bf16-autocast   fp32 weights (autocast computes in 16 bits: activations 2 bytes);
+      bf16                                 weights stored in bf16, no autocast.
+      LoRA                                 PEFT keeps its adapters in fp32 over a 16-bit base
+                                           (autocast_adapter_dtype), so adapters, their gradients and moments
+                                           are fp32 in every dtype ...
+      zero2/zero3 + bf16-autocast          ... except in DeepSpeed's bf16 mode, which casts the whole module
+                                           (adapters too) to bf16, accumulates gradients in bf16 (its
+                                           grad_accum_dtype defaults to the model dtype) and keeps an fp32
+                                           master copy + fp32 moments of its partition.
+      torch AdamW (single, ddp, fsdp, pipelines) keeps its moments in the trained tensor's dtype: 4 bytes
+      per weight for a full fine-tuning in bf16, 8 in fp32.
+    The other strategies ignore autocast for storage: FSDP2's MixedPrecisionPolicy gathers bf16 copies
+    of fp32 shards for compute only (transient), and DDP's gradients follow the weights."""
+    if dtype not in TRAINER_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: the trainer accepts {', '.join(TRAINER_DTYPES)}")
+    deepspeed_bf16 = strategy in ZERO_STRATEGIES and dtype == "bf16-autocast"
+    stored = 2 if (dtype == "bf16" or deepspeed_bf16) else 4
+    trained = stored if (deepspeed_bf16 or not lora) else FP32_BYTES
+    return Precision(weight_bytes=stored, trainable_bytes=trained, activation_bytes=4 if dtype == "fp32" else 2,
+                     moment_bytes=moment_bytes(optimizer, trained), zero_grad_bytes=2 if deepspeed_bf16 else FP32_BYTES,
+                     deepspeed_bf16=deepspeed_bf16)
+
+
+def resolve_precision(strategy: str, dtype: str | None, *, lora: bool, optimizer: str = "adamw",
+                      weight_bytes: float | None = None, trainable_bytes: float | None = None,
+                      activation_bytes: float | None = None) -> Precision:
+    """The bytes plan_memory plans with. A trainer dtype (TRAINER_DTYPES) is laid out exactly as the
+    trainer does (`precision`). Otherwise (no dtype, or a planning shape: int8, 4bit, nf4, fp16) the base
+    weights take `weight_bytes` (or the dtype's), LoRA adapters fp32 (PEFT's), full fine-tuning trains the
+    stored weights, and the optimizer state is fp32 (8 bytes for AdamW: the mixed-precision recipe of an
+    fp32 optimizer state over 16-bit weights); ZeRO over 16-bit weights is DeepSpeed's bf16 mode (module,
+    adapters and gradients in bf16), over fp32 weights DeepSpeed's fp32 mode. Explicit bytes override."""
+    if dtype is not None and dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPE_BYTES)}")
+    if dtype in TRAINER_DTYPES:
+        base = precision(dtype, strategy, lora, optimizer)
+        wb = base.weight_bytes if weight_bytes is None else float(weight_bytes)
+        tb = base.trainable_bytes if trainable_bytes is None else float(trainable_bytes)
+        ab = base.activation_bytes if activation_bytes is None else activation_bytes
+        return Precision(wb, tb, ab, moment_bytes(optimizer, tb), base.zero_grad_bytes, base.deepspeed_bf16)
+    shape_wb, shape_ab = DTYPE_BYTES[dtype] if dtype else (None, None)
+    wb = float(weight_bytes if weight_bytes is not None else shape_wb if shape_wb is not None else FP32_BYTES)
+    # 16-bit weights under ZeRO: DeepSpeed's bf16 mode (what distlab runs on a GPU, dtype auto = bf16-autocast)
+    deepspeed_bf16 = strategy in ZERO_STRATEGIES and wb == 2
+    tb = float(trainable_bytes) if trainable_bytes is not None else (FP32_BYTES if lora and not deepspeed_bf16 else wb)
+    ab = activation_bytes if activation_bytes is not None else (shape_ab or (wb if wb >= 2 else 2))
+    return Precision(wb, tb, ab, moment_bytes(optimizer), 2 if deepspeed_bf16 else FP32_BYTES, deepspeed_bf16)
 
 
 def zero_bucket_elements(n_trained: int) -> int:
@@ -94,7 +165,9 @@ class PlanSetup:
     weight_bytes: float  # per stored base weight
     trainable_bytes: float  # per trained weight and per gradient
     activation_bytes: float  # per activation value
-    moment_bytes: float  # optimizer state per trained weight
+    moment_bytes: float  # optimizer state per trained weight, updated in place (torch optimizers)
+    master_moment_bytes: float  # optimizer state per weight of DeepSpeed's fp32 master partition
+    zero_grad_bytes: float  # DeepSpeed's gradient accumulation dtype (bf16 in its bf16 mode, else fp32)
     activations: float  # one micro-batch through the whole model
     activation_args: tuple  # what activation_bytes_estimate took after bytes_per_value (to re-estimate parts)
     deepspeed_bf16: bool  # DeepSpeed's bf16 mode: bf16 model, fp32 master copy
@@ -151,18 +224,22 @@ def plan_fsdp(s: PlanSetup, rank: int) -> MemoryBreakdown:
 def plan_zero2(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Weights replicated; the flat trained weights cut into partitions, each rank keeping the fp32
     master copy and moments of its own, and the gradients of the tensors that touch it (whole)."""
-    tb = s.trainable_bytes
+    tb, accum = s.trainable_bytes, s.zero_grad_bytes
     flat, part, touching = _zero2_partitions(optimizer_groups(s.layout), s.world_size, rank)
     w, a = s.split(sum(p.numel for p in s.frozen) * s.weight_bytes, flat * tb)
-    grads = touching * tb if (tb == 4 and not s.deepspeed_bf16) else part * FP32_BYTES
-    opt = part * (FP32_BYTES + s.moment_bytes)
+    # DeepSpeed 0.19.8 (stage_1_and_2.py): when the trained weights are in its accumulation dtype it copies
+    # each reduced gradient, whole, into `grads_in_partition` (every tensor touching this rank's partition);
+    # 16-bit weights with fp32 accumulation use a compact fp32 buffer of the partition alone instead.
+    whole = tb == accum
+    grads = touching * tb if whole else part * accum
+    opt = part * (FP32_BYTES + s.master_moment_bytes)
     b = MemoryBreakdown(w, a, grads, 0.0 if s.offload_optimizer else opt, s.activations)
-    b.buffers = zero_bucket_elements(sum(p.numel for p in s.trained)) * tb
+    b.buffers = zero_bucket_elements(sum(p.numel for p in s.trained)) * accum
     b.notes.append(f"optimizer state = fp32 master copy + moments of a {part:,}-element partition "
-                   f"({part * (FP32_BYTES + s.moment_bytes) / 2**20:.1f} MiB)"
-                   + (" on the CPU (offload)" if s.offload_optimizer else ""))
-    if grads == touching * tb:
-        b.notes.append("gradients: DeepSpeed keeps whole tensors that straddle a partition boundary")
+                   f"({opt / 2**20:.1f} MiB)" + (" on the CPU (offload)" if s.offload_optimizer else ""))
+    if whole:
+        b.notes.append(f"gradients: DeepSpeed keeps whole tensors that straddle a partition boundary "
+                       f"({touching:,} elements for a {part:,}-element partition)")
     return b
 
 
@@ -177,10 +254,12 @@ def plan_zero3(s: PlanSetup, rank: int) -> MemoryBreakdown:
     # DeepSpeed means to update an fp32 model's partition in place, but 0.19.8 compares a
     # torch.device with a string there (never equal), so it always keeps an fp32 master copy.
     master = part_t * FP32_BYTES
-    b = MemoryBreakdown(w, a, part_t * FP32_BYTES, 0.0 if s.offload_optimizer else part_t * s.moment_bytes + master,
-                        s.activations)
+    opt = part_t * s.master_moment_bytes + master
+    # gradients: one flat partition buffer in DeepSpeed's accumulation dtype (bf16 in its bf16 mode)
+    b = MemoryBreakdown(w, a, part_t * s.zero_grad_bytes, 0.0 if s.offload_optimizer else opt, s.activations)
     largest_layer = sum(p.numel for p in s.layout if layer_index(p) == 0)
-    b.buffers = zero_bucket_elements(sum(p.numel for p in s.trained)) * FP32_BYTES + 2 * largest_layer * s.weight_bytes
+    b.buffers = (zero_bucket_elements(sum(p.numel for p in s.trained)) * s.zero_grad_bytes
+                 + 2 * largest_layer * s.weight_bytes)
     n_persistent = sum(1 for p in s.layout if p.numel <= threshold)
     b.notes.append(f"{n_persistent} of {len(s.layout)} tensors are at most {threshold:,} elements: "
                    "every rank keeps them whole (stage3_param_persistence_threshold)")
@@ -237,22 +316,25 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                 rank: int | None = None) -> MemoryBreakdown:
     """Predicted bytes one rank holds while training `config` with `strategy` on `world_size` ranks.
 
-    config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: "fp32",
-    "bf16-autocast" (fp32 weights, bf16 compute), "bf16", "int8", "4bit" (frozen base weights
-    quantised: LoRA only); or give weight_bytes (and activation_bytes) directly. lora_r None: full
+    config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: one the trainer
+    accepts (TRAINER_DTYPES: "fp32", "bf16-autocast", "fp16-autocast", "bf16"), planned as the trainer
+    lays it out (`precision`: e.g. torch AdamW's moments in bf16 for a full fine-tuning stored in bf16,
+    PEFT's fp32 adapters, DeepSpeed's bf16 mode for bf16-autocast under ZeRO), or a planning shape
+    "int8", "4bit", "nf4", "fp16" (frozen base weights quantised: LoRA only); or give weight_bytes (and
+    activation_bytes) directly (`resolve_precision` says how those are read). lora_r None: full
     fine-tuning. rank None: the rank that needs the most (ranks differ slightly where partitions cut
     tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the pipelines' split
     (distlab.strategies.split.split_layers: balanced by default).
 
     What each strategy holds, per rank, with N parameters, T of them trained:
-      single, ddp   everything: weights, T gradients, AdamW's two fp32 moments per trained weight.
+      single, ddp   everything: weights, T gradients, AdamW's two moments per trained weight.
                     DDP adds its gradient buckets (a copy of the gradients) as buffers.
       zero2         weights replicated; the flat trained weights cut into `world` partitions, each
                     rank keeping the fp32 master copy and moments of its partition, and the
                     gradients of the tensors that touch it (whole tensors, as DeepSpeed does).
       fsdp          every tensor cut in `world` dim-0 shards: weights, gradients and moments / world;
                     buffers for the layer being all-gathered (and the next one, prefetched).
-      zero3         every tensor partitioned (weights, fp32 gradients, fp32 master copy, moments);
+      zero3         every tensor partitioned (weights, gradients, fp32 master copy, moments);
                     tensors under DeepSpeed's persistence threshold (100k elements: LoRA adapters,
                     norms, biases, small projections) are also kept whole on every rank.
       pipeline,     layers divided over `pipeline_stages` stages (first stage: embedding, last: norm
@@ -266,30 +348,21 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     stages = pipeline_stages or world_size
     if strategy in PIPELINE_STRATEGIES and world_size % stages:
         raise ValueError(f"world_size {world_size} is not a multiple of pipeline_stages {stages}")
-    if dtype is not None:
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPE_BYTES)}")
-        wb, ab = DTYPE_BYTES[dtype]
-        weight_bytes = weight_bytes if weight_bytes is not None else wb
-        activation_bytes = activation_bytes if activation_bytes is not None else ab
-    wb = 4.0 if weight_bytes is None else float(weight_bytes)
+    prec = resolve_precision(strategy, dtype, lora=bool(lora_r), optimizer=optimizer, weight_bytes=weight_bytes,
+                             trainable_bytes=trainable_bytes, activation_bytes=activation_bytes)
+    wb, tb, act_b = prec.weight_bytes, prec.trainable_bytes, prec.activation_bytes
     if wb < 2 and not lora_r:
         raise ValueError("quantised base weights (weight_bytes < 2) can only be trained through LoRA adapters")
-    # DeepSpeed's bf16 mode stores the model in bf16 (torch autocast keeps fp32 weights instead).
-    deepspeed_bf16 = strategy in ("zero2", "zero3") and dtype in ("bf16-autocast", "bf16")
-    if deepspeed_bf16:
-        wb = 2.0
-    tb = float(trainable_bytes) if trainable_bytes is not None else (wb if (not lora_r or wb >= 2) else 4.0)
-    act_b = activation_bytes if activation_bytes is not None else (wb if wb >= 2 else 2)
     targets = list(lora_targets or LORA_TARGETS)
     activation_args = (micro_batch, seq_len, activation_checkpointing, lora_r, targets, lora_dropout,
                        loss_token_fraction)
     setup = PlanSetup(
         config=config, layout=parameter_layout(config, lora_r, targets), world_size=world_size, weight_bytes=wb,
-        trainable_bytes=tb, activation_bytes=act_b, moment_bytes=moment_bytes(optimizer),
+        trainable_bytes=tb, activation_bytes=act_b, moment_bytes=prec.moment_bytes,
+        master_moment_bytes=moment_bytes(optimizer), zero_grad_bytes=prec.zero_grad_bytes,
         activations=activation_bytes_estimate(config, micro_batch, seq_len, act_b, activation_checkpointing,
                                               lora_r, targets, lora_dropout, loss_token_fraction),
-        activation_args=activation_args, deepspeed_bf16=deepspeed_bf16, offload_optimizer=offload_optimizer,
+        activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
         zero3_persistence_threshold=zero3_persistence_threshold)
     planner = PLANNERS[strategy]
@@ -300,18 +373,21 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     return max((planner(setup, r) for r in range(world_size)), key=lambda b: b.total)
 
 
-def estimate_training_memory(config, *, weight_bytes: float = 4, lora_r: int | None = 16, lora_targets=None,
-                             trainable_bytes: float = 4, micro_batch: int = 1, seq_len: int = 1024,
+def estimate_training_memory(config, *, weight_bytes: float | None = None, lora_r: int | None = 16, lora_targets=None,
+                             trainable_bytes: float | None = None, micro_batch: int = 1, seq_len: int = 1024,
                              activation_bytes: float | None = None, activation_checkpointing: bool = False,
                              optimizer: str = "adamw", lora_dropout: float = 0.05,
-                             loss_token_fraction: float = 1.0) -> MemoryBreakdown:
+                             loss_token_fraction: float = 1.0, dtype: str | None = None) -> MemoryBreakdown:
     """Bytes held by one rank training on one device: plan_memory's "single" case, with chapter 01's
-    defaults (LoRA r=16, fp32 adapters, LoRA dropout on).
+    defaults (LoRA r=16, fp32 weights and adapters, LoRA dropout on).
 
-    weight_bytes: bytes per frozen/base weight (4 fp32, 2 bf16, 1 int8, 0.5 for 4-bit).
-    lora_r None: full fine-tuning (base weights are trained: `trainable_bytes` each, with gradients
-    and AdamW state for all). AdamW keeps two moments per trained weight in fp32 (8 bytes)."""
-    return plan_memory(config, strategy="single", weight_bytes=weight_bytes, trainable_bytes=trainable_bytes,
-                       lora_r=lora_r, lora_targets=lora_targets, micro_batch=micro_batch, seq_len=seq_len,
+    weight_bytes: bytes per frozen/base weight (4 fp32, 2 bf16, 1 int8, 0.5 for 4-bit). dtype: one the
+    trainer accepts, laid out as it does (plan.precision), instead of bytes.
+    lora_r None: full fine-tuning (base weights are trained: `trainable_bytes` each, default their
+    stored bytes, with gradients and AdamW state for all). Without a trainer dtype AdamW keeps two
+    moments per trained weight in fp32 (8 bytes)."""
+    return plan_memory(config, strategy="single", dtype=dtype, weight_bytes=weight_bytes,
+                       trainable_bytes=trainable_bytes, lora_r=lora_r, lora_targets=lora_targets,
+                       micro_batch=micro_batch, seq_len=seq_len,
                        activation_bytes=activation_bytes, activation_checkpointing=activation_checkpointing,
                        optimizer=optimizer, lora_dropout=lora_dropout, loss_token_fraction=loss_token_fraction)
