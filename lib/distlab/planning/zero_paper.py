@@ -100,7 +100,7 @@ def explain_zero_paper(table, config, *, world_size: int = 2, dtype: str = "bf16
         f"N_d = {world_size}; planner / paper per component):",
         "",
         f"- *Baseline (DDP)*: total {ratio(0, 'total'):.2f}x the paper's (2+2+K)Psi. "
-        + ("Torch autocast keeps the weights in fp32, so there is no fp32 master copy to hold: weights "
+        + ("The weights stay fp32 (torch autocast only computes in 16 bits) and are their own master copy: weights "
            f"{ratio(0, 'params'):.1f}x and gradients {ratio(0, 'gradients'):.1f}x the paper's fp16 ones, "
            f"optimizer state {ratio(0, 'optimizer_state'):.2f}x (two fp32 moments, 8 of K = 12 bytes). "
            if dtype in ("bf16-autocast", "fp16-autocast", "fp32") else
