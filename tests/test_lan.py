@@ -162,7 +162,9 @@ def test_balanced_beats_naive_on_a_slow_host(clean):
     placement = jobs.place(2)
     assert placement.kind == "namespaces"
     with placement.running():
-        r = compare(placement, [1.0, 0.5], micro=6, steps=5, rounds=1, name="t_balance")
+        # "sleep": the slowdown relative to the rank's own compute; a cgroup quota no longer binds when
+        # other jobs load the machine (the bench's --cpu-mode quota is the exact one on an idle machine)
+        r = compare(placement, [1.0, 0.5], micro=6, steps=5, rounds=1, name="t_balance", cpu_mode="sleep")
     print(report(r))
     assert r["shares"][0] > r["shares"][1]
     assert r["ratio"] < 0.85, report(r)  # the bench's goal is 0.72; a busy shared machine gets slack here

@@ -167,8 +167,12 @@ class Cluster:
     # ------------------------------------------------------------------ processes inside hosts
     def exec_prefix(self, index: int) -> list[str]:
         """Run a command in host `index`'s network namespace. nsenter, not `ip netns exec`:
-        that one also remounts /sys, which daemons that read cgroups there trip over."""
-        return ["nsenter", f"--net={NETNS_DIR / self.hosts[index].ns}", "--"]
+        that one also remounts /sys, which daemons that read cgroups there trip over. A UTS namespace
+        of its own gives the host its own hostname, its address: torchrun's c10d rendezvous decides
+        which agent hosts the store by matching the endpoint against the hostname, as on real machines."""
+        h = self.hosts[index]
+        return ["nsenter", f"--net={NETNS_DIR / h.ns}", "--", "unshare", "--uts", "--",
+                "sh", "-c", 'hostname "$0" && exec "$@"', h.address]
 
     def status(self) -> list[dict]:
         rows = []
