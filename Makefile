@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test lint book notebooks site publish lock clean help deepspeed-op
+.PHONY: all env test lint book notebooks site publish lock clean help deepspeed-op debian
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
@@ -37,7 +37,12 @@ $(STAMP): requirements.lock pyproject.toml
 deepspeed-op: $(STAMP)
 	$(PY) -c 'from distlab.strategies.deepspeed_runtime import prebuild_comm_op; prebuild_comm_op()'
 
-test: $(STAMP) deepspeed-op lint
+# Debian packages the tests drive for real (chromium, shellcheck, iproute2, slurm-wlm, munge): installed when
+# missing (needs root); a no-op when present.
+debian:
+	bash tools/ensure_debian_packages.sh
+
+test: $(STAMP) debian deepspeed-op lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: line length, import order, unused names, over lib, tests and notebooks.
