@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test lint book notebooks site publish lock clean help deepspeed-op debian
+.PHONY: all env test lint book notebooks site publish lock clean help deepspeed-op debian models
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
@@ -42,14 +42,19 @@ deepspeed-op: $(STAMP)
 debian:
 	bash tools/ensure_debian_packages.sh
 
-test: $(STAMP) debian deepspeed-op lint
+# The default model is a tiny Qwen2 pretrained here on first use (a few minutes, once, cached in build/models/).
+# Built up front so that no notebook kernel or torchrun rank builds it inside its own time limit.
+models: $(STAMP)
+	$(PY) -c 'from distlab.models import build_default_model; build_default_model()'
+
+test: $(STAMP) debian deepspeed-op models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: line length, import order, unused names, over lib, tests and notebooks.
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-notebooks: $(STAMP) deepspeed-op
+notebooks: $(STAMP) deepspeed-op models
 	$(PY) -m distlab.publish.regenerate $(REGEN_ARGS)
 
 site: $(STAMP)
@@ -57,7 +62,7 @@ site: $(STAMP)
 
 # The site is built (and checked in a headless browser) even when a notebook fails, so the
 # failure can be inspected; the target still fails.
-book: $(STAMP) deepspeed-op
+book: $(STAMP) deepspeed-op models
 	@rc=0; $(PY) -m distlab.publish.regenerate $(REGEN_ARGS) || rc=$$?; \
 	$(PY) -m distlab.publish.book --check --fetch-mathjax || rc=$$?; exit $$rc
 
