@@ -103,7 +103,7 @@ def plot_breakdowns(rows: Mapping[str, MemoryBreakdown], capacities: Mapping[str
     ax.invert_yaxis()
     for name, gb in (capacities or {}).items():
         ax.axvline(gb * GIB / unit, color="k", ls="--", lw=1)
-        ax.text(gb * GIB / unit, 1.01, f"{name} ({gb:g} GB)", transform=ax.get_xaxis_transform(), fontsize=7,
+        ax.text(gb * GIB / unit, 1.01, f"{name} ({gb:g} GiB)", transform=ax.get_xaxis_transform(), fontsize=7,
                 ha="center", va="bottom")
     ax.set_xlabel(f"{unit_name} per rank (planned)")
     ax.set_title(title, fontsize=9, pad=14 if capacities else 6)
