@@ -88,7 +88,7 @@ class Pipeline:
         self.sends.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
 
     def _recv(self, shape, dtype, src, tag):
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)  # NCCL moves GPU tensors only
         dist.recv(buf, src=src, tag=tag)
         return buf
 
@@ -97,15 +97,16 @@ class Pipeline:
 
         gen = None
         if not self.sampling.greedy:
-            gen = torch.Generator().manual_seed(self.sampling.seed + mb.index)
-        return MicroState(mb, DynamicCache(config=self.config), mb.attention_mask.clone(), mb.position_ids(),
-                          [[] for _ in range(mb.rows)], torch.zeros(mb.rows, dtype=torch.bool), gen)
+            gen = torch.Generator(device=self.device).manual_seed(self.sampling.seed + mb.index)
+        return MicroState(mb, DynamicCache(config=self.config), mb.attention_mask.to(self.device),
+                          mb.position_ids().to(self.device), [[] for _ in range(mb.rows)],
+                          torch.zeros(mb.rows, dtype=torch.bool, device=self.device), gen)
 
     def _step(self, st: MicroState, step: int) -> None:
         rows = st.mb.rows
         width = st.mb.input_ids.shape[1] if step == 0 else 1
         if self.first:
-            x = st.mb.input_ids if step == 0 else st.last_tokens.view(rows, 1)
+            x = st.mb.input_ids.to(self.device) if step == 0 else st.last_tokens.view(rows, 1)
         else:
             x = self._recv((rows, width, self.config.hidden_size), self.dtype, self.rank - 1, HIDDEN_TAG)
         begin = self.now()
@@ -136,6 +137,7 @@ class Pipeline:
     def run(self, batches: list[MicroBatch], in_flight: int | None = None) -> list[MicroState]:
         """Generate for every micro-batch, `in_flight` of them at a time (default: all at once)."""
         self.dtype = next(self.stage.parameters()).dtype
+        self.device = next(self.stage.parameters()).device
         in_flight = in_flight or len(batches)
         self.t0 = time.perf_counter()
         states = []

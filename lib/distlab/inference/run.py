@@ -1,7 +1,7 @@
 """One rank of pipeline inference, started by torchrun or srun (or alone, as a 1-stage run).
 
 Rank and world come from torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS; the
-stages talk over gloo (MASTER_ADDR/MASTER_PORT). Each rank writes into --out-dir:
+stages talk over gloo on CPU or NCCL between GPUs (MASTER_ADDR/MASTER_PORT). Each rank writes into --out-dir:
 
   rank<r>.log        its log (also on stdout, prefixed "[rank<r>]:")
   stage<r>.json      its layers, memory (parameter bytes held vs the whole checkpoint, RSS) and
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.cli import run_main
+from distlab.device import backend_for
 from distlab.generate import write_jsonl
 from distlab.inference.batches import micro_batches, read_prompts
 from distlab.inference.checkpoint import checkpoint_bytes
@@ -83,11 +84,26 @@ def parse_args(argv=None):
     ap.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 3,1 (default balanced)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
                     help="torch threads per rank (default OMP_NUM_THREADS, else 1)")
-    ap.add_argument("--comm-timeout-s", type=float, default=120, help="gloo timeout for one send/recv")
+    ap.add_argument("--comm-timeout-s", type=float, default=120, help="timeout for one send/recv")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="auto: the rank's GPU (LOCAL_RANK / SLURM_LOCALID) when one is visible, else CPU")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="stage weights: auto = bf16 on a GPU, fp32 on CPU (exact against model.generate)")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--kill-rank", type=int, default=None, help="fault injection: this rank SIGKILLs itself")
     ap.add_argument("--kill-at-step", type=int, default=2, help="... after this many decoding steps")
     return ap.parse_args(argv)
+
+
+def stage_device(requested: str) -> torch.device:
+    """This rank's device: its own GPU (one per task under srun, one per local rank under torchrun)."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no GPU is visible to this rank")
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def setup_logging(out_dir: Path, rank: int) -> logging.Logger:
@@ -113,8 +129,11 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging  # deferred: transformers is slow to import
 
     hf_logging.set_verbosity_error()
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+    device = stage_device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype) or (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if world > 1:  # NCCL between GPU stages, gloo between CPU ones
+        dist.init_process_group(backend_for(device.type), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.comm_timeout_s))
     model_dir = local_model_dir(args.model)
     config = AutoConfig.from_pretrained(model_dir)
@@ -123,7 +142,8 @@ def main(argv=None) -> int:
     ranges = split_layers(config.num_hidden_layers, world, counts)
     rss0 = psutil.Process().memory_info().rss
     stage = InferenceStage(config, ranges[rank], first=rank == 0, last=rank == world - 1)
-    info = stage.load(model_dir, args.adapter)
+    info = stage.load(model_dir, args.adapter, dtype=dtype)
+    stage.to(device)
     rss1 = psutil.Process().memory_info().rss
     memory = {"stage_param_bytes": stage.param_bytes(), "checkpoint_bytes": checkpoint_bytes(model_dir),
               "read_bytes": info["read_bytes"], "rss_before_load": rss0, "rss_after_load": rss1}
