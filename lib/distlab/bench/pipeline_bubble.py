@@ -91,4 +91,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, sigterm_exits=True)  # a SIGTERM kills the launched process groups too

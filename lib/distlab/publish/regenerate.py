@@ -593,4 +593,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, sigterm_exits=True)  # a SIGTERM kills the launched process groups too
