@@ -136,8 +136,7 @@ def main(argv=None) -> int:
         dist.init_process_group(backend_for(device.type), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.comm_timeout_s))
     model_dir = local_model_dir(args.model)
-    config = AutoConfig.from_pretrained(model_dir)
-    config._attn_implementation = "sdpa"
+    config = AutoConfig.from_pretrained(model_dir, attn_implementation="sdpa")
     counts = [int(c) for c in args.stage_layers.split(",")] if args.stage_layers else None
     ranges = split_layers(config.num_hidden_layers, world, counts)
     rss0 = psutil.Process().memory_info().rss
