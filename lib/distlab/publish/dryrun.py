@@ -135,10 +135,11 @@ def check(profiles: Iterable[str] | None = None, notebooks_dir: str | Path = pat
             for name in sorted(set(own) - set(defaults)):
                 problems.append(Problem(nb.stem, profile, f"profile parameter {name!r} is declared by no "
                                                           "parameters cell (papermill would inject it unused)"))
-            merged = {**defaults, **given}
+            # what the notebook sees: its defaults, replaced by the profile's values it declares
+            merged = {**defaults, **{k: v for k, v in given.items() if k in defaults}}
             if launches_training(nb):
                 planned = launches(nb.stem, merged)
-            elif "max_steps" in merged and "micro_batch_size" in merged:  # trains in the kernel itself
+            elif "max_steps" in defaults and "micro_batch_size" in defaults:  # trains in the kernel itself
                 planned = [Launch(f"{nb.stem}:in-process", 1, {k: merged[k] for k in CONFIG_KEYS_OF_CHAPTERS
                                                                if k in merged}, in_process=True)]
             else:
