@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 
 # One thread per process, as on the tutorial's CPU runs: tests that compare numbers across
@@ -28,3 +29,32 @@ def tiny_model():
     model = load_model(None)
     model.eval()
     return model
+
+
+# ---------------------------------------------------------------------- the emulated LAN (chapter 05)
+
+@pytest.fixture
+def clean():
+    """No namespace or cgroup of ours before the test, and none left after it."""
+    from distlab.lan import hosts
+
+    hosts.down()
+    yield
+    assert not hosts.leftovers(), f"left behind: {hosts.leftovers()}"
+
+
+def _processes_matching(marker: str) -> list[psutil.Process]:
+    alive = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+                alive.append(p)
+        except psutil.Error:
+            pass
+    return alive
+
+
+@pytest.fixture
+def our_processes():
+    """our_processes(marker): the live processes whose command line contains `marker`."""
+    return _processes_matching

@@ -83,6 +83,11 @@ class StepBatches:
             return [mine[i * len(mine) // self.accum:(i + 1) * len(mine) // self.accum] for i in range(self.accum)]
         return [rows[i:i + self.micro] for i in range(0, self.span, self.micro)]
 
+    @property
+    def rows_per_step(self) -> int:
+        """The rows this rank contributes to each optimizer step (its slice under rank_shares)."""
+        return self.slice[1] - self.slice[0] if self.slice is not None else self.span
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
 
@@ -154,7 +159,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         "dtype": str(choice.dtype), "autocast_dtype": str(choice.autocast_dtype),
         "parameters": n_total, "trainable_parameters": n_trainable, "train_items": len(train_data),
         "train_data": str(train_data.summary), "packing_fill": train_data.fill,
-        "steps_per_epoch": batches.steps_per_epoch, "rows_left_out_per_epoch": batches.dropped_per_epoch,
+        "rows_per_step": batches.rows_per_step, "steps_per_epoch": batches.steps_per_epoch,
+        "rows_left_out_per_epoch": batches.dropped_per_epoch,
         "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
         "threads": torch.get_num_threads(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "versions": provenance.package_versions(), "commit": provenance.git_commit(),

@@ -64,15 +64,19 @@ def compare(placement: jobs.Placement, quotas: list[float], *, micro: int = 4, s
         raise RuntimeError(f"{name} failed:\n{job.failure()}")
     times: dict[str, list[float]] = {"naive": [], "balanced": []}
     tps: dict[str, list[float]] = {"naive": [], "balanced": []}
+    taken: dict[str, list[int]] = {}  # the rows each rank's loop says it took per step, from its own log
     for run_name, kind in kinds.items():
         row = schema.summarise_logs(runs_dir / run_name / "train_log.jsonl")
         times[kind].append(row["step_time_s"])
         tps[kind].append(row["tokens_per_s"])
+        taken[kind] = [schema.read_log(p, event="start")[0]["rows_per_step"]
+                       for p in schema.rank_log_paths(runs_dir / run_name)]
     naive, balanced = statistics.median(times["naive"]), statistics.median(times["balanced"])
     split = rows_per_rank(global_rows, shares, world, minimum=1)
     return {"placement": placement.kind, "quotas": quotas, "cgroups": cgroups_supported()[0], "cpu_mode": cpu_mode,
             "rows_per_s": calib["rows_per_s"], "shares": shares, "global_rows": global_rows,
             "naive_split": [micro] * world, "balanced_split": split,
+            "naive_rows_taken": taken["naive"], "balanced_rows_taken": taken["balanced"],
             "predicted_ratio": predicted_step_ratio(calib["rows_per_s"], split, [micro] * world),
             "naive_step_s": naive, "balanced_step_s": balanced, "ratio": balanced / naive,
             "naive_tokens_per_s": statistics.median(tps["naive"]),

@@ -185,6 +185,16 @@ class Cluster:
         return rows
 
 
+def leftovers() -> list[str]:
+    """What of ours exists now: namespaces, and cgroups as "<controller>:<name>" (empty after `down`)."""
+    found = namespaces()
+    for controller in ("cpu", "memory"):
+        base = cgroups.ROOT / controller / PREFIX
+        if base.exists():
+            found += [f"{controller}:{p.name}" for p in base.iterdir() if p.is_dir()]
+    return found
+
+
 def down() -> list[str]:
     """Kill every process inside our namespaces, delete them (their links go with them) and our
     cgroups. Idempotent; returns what was removed."""
