@@ -55,6 +55,10 @@ class TrainConfig:
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
     measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)
+    # DDP gradient compression (chapter 05), a torch DDP comm hook: fp16 | bf16 (each bucket cast to 2 bytes) |
+    # powersgd (rank-`powersgd_rank` factors of each gradient matrix, error feedback); None: fp32 all-reduce
+    ddp_comm_hook: str | None = None
+    powersgd_rank: int = 1
     # uneven data parallelism (chapter 05): each rank's share of the global batch, e.g. [2, 1] (normalised;
     # one per data-parallel rank); None: equal shares. The loss stays normalised by global tokens.
     rank_shares: list[float] | None = None
@@ -86,6 +90,9 @@ class TrainConfig:
         # Built in code (a notebook, a test) the values are checked too; from_dict checks first, naming the source.
         for name in FIELDS:
             setattr(self, name, check_field(name, getattr(self, name), "TrainConfig"))
+        if self.ddp_comm_hook and self.strategy != "ddp":  # other strategies would ignore it without a word
+            raise ConfigError(f"TrainConfig: ddp_comm_hook={self.ddp_comm_hook!r} needs strategy=ddp "
+                              f"(strategy={self.strategy!r} does not all-reduce gradients through DDP)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -227,6 +234,7 @@ RULES = {
     "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
     "dtype": _one_of("auto", "fp32", "bf16-autocast", "bf16", "fp16-autocast"),
     "num_threads": _at_least(1), "collective_timeout_s": _at_least(1),
+    "ddp_comm_hook": _one_of("fp16", "bf16", "powersgd"), "powersgd_rank": _at_least(1),
     "rank_shares": (lambda v: len(v) > 0 and min(v) > 0, "a non-empty list of positive numbers"),
     "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe"),
     "stage_layers": (lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of layer counts >= 1"),

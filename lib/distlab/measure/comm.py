@@ -6,7 +6,8 @@ Two instruments, attached by distlab.measure.meter when a run sets `measure_comm
   bucket's all-reduce asynchronously and overlaps it with the rest of the backward pass; then
   "communication time" cannot be read off a clock. The hook waits for each all-reduce, so comm
   and compute are serialised and the measured split is exact (the step gets a little slower; the
-  DDP chapter shows by how much).
+  DDP chapter shows by how much). DDP takes one hook: a compression hook (TrainConfig.ddp_comm_hook,
+  chapter 05) runs *inside* the timer, so the time and bytes are those of the compressed traffic.
 * `CollectiveTimer` (chapter 03), for FSDP2 and DeepSpeed, which issue their all-gathers and
   reduce-scatters asynchronously and wait for them later. While installed, every collective of
   `torch.distributed` is waited for as soon as it is issued and timed; the work handle returned is
@@ -33,10 +34,16 @@ class CommTimer:
     First a one-element all-reduce: it returns when the slowest rank has reached this bucket, so its time
     is the *wait* for the other ranks (plus one small-message latency). Then the bucket's own all-reduce,
     which starts with every rank present: its time is the *transfer* a latency-bandwidth model predicts.
-    Without the split, a wait for a slower rank reads as a slow network (chapter 02's cost model)."""
+    Without the split, a wait for a slower rank reads as a slow network (chapter 02's cost model).
 
-    def __init__(self, world_size: int):
+    `inner`, a DDP comm hook `(state, bucket) -> Future` (fp16/bf16 compression, PowerSGD), replaces the
+    plain all-reduce: the timer passes its registered state on, waits for the hook's future, and counts the
+    payload of every collective the hook issues (the compressed bytes, not the bucket's). The transfer
+    time then includes the hook's own compression and decompression: they are the price of its bytes."""
+
+    def __init__(self, world_size: int, inner=None):
         self.world_size = world_size
+        self.inner = inner
         self.wait_s, self.transfer_s, self.bytes, self.calls = 0.0, 0.0, 0, 0
         self._flag = torch.zeros(1)
 
@@ -46,18 +53,33 @@ class CommTimer:
         t0 = time.perf_counter()
         dist.all_reduce(flag)
         t1 = time.perf_counter()
-        dist.all_reduce(buf)
+        if self.inner is None:
+            dist.all_reduce(buf)
+            nbytes = buf.numel() * buf.element_size()
+        else:
+            buf, nbytes = self._run_inner(state, bucket)
         if buf.device.type == "cuda":
             torch.cuda.synchronize(buf.device)
         t2 = time.perf_counter()
         self.wait_s += t1 - t0
         self.transfer_s += t2 - t1
-        self.bytes += buf.numel() * buf.element_size()
+        self.bytes += nbytes
         self.calls += 1
-        buf.div_(self.world_size)
+        if self.inner is None:
+            buf.div_(self.world_size)  # the compression hooks average themselves
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
+
+    def _run_inner(self, state, bucket) -> tuple[torch.Tensor, int]:
+        """The inner hook's averaged bucket and the bytes its collectives carried. Its collectives are
+        waited for as issued (CollectiveTimer), so PowerSGD's chained all-reduces run here, not later."""
+        counter = CollectiveTimer().install()
+        try:
+            result = self.inner(state, bucket).wait()
+        finally:
+            counter.uninstall()
+        return (result[0] if isinstance(result, list) else result), counter.bytes
 
     def take(self) -> dict[str, float]:
         out = {"comm_time_s": self.wait_s + self.transfer_s, "comm_wait_s": self.wait_s,

@@ -8,7 +8,8 @@
 Each strategy calls one `watch_*` hook where its communication happens, and `state_point` where
 gradients and optimizer state both exist; the measuring code lives in this package:
 
-  watch_ddp            DDP's gradient all-reduces, through a comm hook        (measure.comm)
+  watch_ddp            DDP's gradient all-reduces, through a comm hook        (measure.comm);
+                       it also registers the run's compression hook, timed or not
   watch_collectives    every torch.distributed collective (FSDP2, ZeRO)       (measure.comm)
   watch_torch_pipeline / watch_deepspeed_pipeline   the pipeline timeline     (measure.pipeline_trace)
   state_point          bytes of weights, gradients, optimizer state           (measure.state)
@@ -37,11 +38,16 @@ class Meter:
         return cls(comm=cfg.measure_comm, state=cfg.measure_state)
 
     # --- hooks strategies call
-    def watch_ddp(self, ddp_model, world_size: int) -> None:
+    def watch_ddp(self, ddp_model, world_size: int, comm_hook: tuple[Any, Any] | None = None) -> None:
+        """Register DDP's one comm hook: `comm_hook` ((state, hook), e.g. fp16 compression) inside the timer
+        when measuring, alone when not; with neither, DDP keeps its own all-reduce."""
         if self.comm:
-            timer = CommTimer(world_size)
-            ddp_model.register_comm_hook(None, timer.hook)
+            state, inner = comm_hook or (None, None)
+            timer = CommTimer(world_size, inner)
+            ddp_model.register_comm_hook(state, timer.hook)
             self._sources.append(timer)
+        elif comm_hook is not None:
+            ddp_model.register_comm_hook(*comm_hook)
 
     def watch_collectives(self) -> None:
         """Before DeepSpeed's comm backend starts: it keeps references to the collectives."""
