@@ -101,8 +101,9 @@ def test_node_scripts_differ_only_where_they_must():
     static = rendered("lan_static")
     n0, n1 = static["lan_static/node0.sh"].splitlines(), static["lan_static/node1.sh"].splitlines()
     diff = [(a, b) for a, b in zip(n0, n1) if a != b]
-    assert len(n0) == len(n1) and len(diff) == 2  # the placement comment and --node-rank
-    assert diff[1] == ("  --node-rank 0 \\", "  --node-rank 1 \\")
+    assert len(n0) == len(n1) and len(diff) == 3  # the placement comment, the node's host, --node-rank
+    assert diff[1] == ("node_rank=0 node_host=192.168.1.100", "node_rank=1 node_host=192.168.1.101")
+    assert diff[2] == ("  --node-rank 0 \\", "  --node-rank 1 \\")
     readme = static["lan_static/README.md"]
     assert "| `node0.sh` | `192.168.1.100` (the master, listens on 29500) | 0 | global rank 0 |" in readme
     assert "nc -zv 192.168.1.100 29500" in readme and "distlab.workers.fingerprint" in readme

@@ -42,9 +42,18 @@ RULES = [
                                                   r"DistStoreError|Socket Timeout", re.I),
          "not every node joined the rendezvous in time (wrong node rank, wrong port, a node not started)",
          "start every node's script with a distinct node rank and the same master address and port"),
-    Rule("out of memory", re.compile(r"OOM killer|out of memory|oom_kill|exitcode\s*:\s*-9", re.I),
+    # Not on a bare exit code -9: any SIGKILL gives it ("rank killed" below); only memory's own words count.
+    Rule("out of memory", re.compile(r"OOM killer|out of memory|can't allocate memory|Cannot allocate memory", re.I),
          "the rank exceeded its device's memory (here: its cgroup memory cap) and was killed",
          "use the planner's advice: smaller micro-batch, activation checkpointing, LoRA, or a sharded strategy"),
+    Rule("memory cap hit (OOM kill)", re.compile(r"memory cgroup: oom_kill [1-9]|Memory cgroup out of memory", re.I),
+         "the host's memory (here its cgroup cap, on a GPU its VRAM) was smaller than what the rank needs: "
+         "the kernel's OOM killer SIGKILLed it",
+         "plan first (distlab.planning plan_memory / recommend with this device's memory): LoRA, a sharded "
+         "strategy (ZeRO-2, FSDP), activation checkpointing or a smaller micro-batch"),
+    Rule("wrong node rank", re.compile(r"wrong node rank: node rank \d+ belongs on", re.I),
+         "a node script was started on a host its node rank does not belong to (copied script, rank given twice)",
+         "start on each host the script of its own node rank (nodeN.sh of the generated folder's README)"),
     Rule("environment mismatch", re.compile(r"MISMATCH in", re.I),
          "the nodes do not run the same software stack (torch, Python, CUDA/NCCL versions)",
          "install the same locked environment on every node, then rerun the fingerprint check"),

@@ -25,10 +25,14 @@ def factor() -> float:
 
 
 def install(model) -> None:
-    """Hooks on `model` (the unwrapped loss-computing module) that slow this rank down, if asked to."""
+    """Hooks on `model` (the unwrapped loss-computing module) that slow this rank down, if asked to.
+    A pipeline rank's model never runs forward itself (its schedule runs the stage module), so the hooks
+    go on its `stage` (distlab.strategies.split.PipelinedModel): every micro-batch through the stage."""
     extra = factor() - 1.0
     if extra <= 0:
         return
+    stage = getattr(model, "stage", None)
+    model = model if stage is None else stage
     started: list[float] = []
 
     def before(module, args, kwargs=None):

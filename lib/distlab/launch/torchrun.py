@@ -64,6 +64,8 @@ ENV_NOTES = {
 }
 
 
+HOST_MISMATCH_EXIT = 3  # a node script started on a host other than its node rank's
+
 # ---------------------------------------------------------------------- torchrun's flags
 
 def torchrun_flags(nproc_per_node: int, nnodes: int = 1, *, rendezvous: str = "standalone", node_rank: int = 0,
@@ -154,6 +156,26 @@ def python_lines(spec: LaunchSpec) -> list[str]:
     return out + [""]
 
 
+def host_check_lines(spec: LaunchSpec) -> list[str]:
+    """With a static rendezvous and each node's host known: refuse to start on another host. A node rank
+    started twice (a copied script) makes two "node 0"s, each waiting for a node that never joins."""
+    if spec.rendezvous != "static" or not spec.hosts or spec.nnodes < 2:
+        return []
+    # Only the assignment line differs between the nodes' scripts.
+    return ["# The host this node rank belongs on. Started elsewhere (a copied script, a node rank given twice)",
+            "# torchrun would wait for the missing node until its timeout: refuse at once instead.",
+            "# DISTLAB_SKIP_HOST_CHECK=1 skips this (hosts given by a name other than `hostname`).",
+            f"node_rank={spec.node_rank} node_host={_q(spec.hosts[spec.node_rank])}",
+            'this_host="$(hostname 2>/dev/null || true)"',
+            'known_as=" ${this_host} $(hostname -I 2>/dev/null || true) "',
+            'if [[ "${DISTLAB_SKIP_HOST_CHECK:-0}" != 1 && "${known_as}" != *" ${node_host} "* ]]; then',
+            '  echo "distlab: wrong node rank: node rank ${node_rank} belongs on ${node_host}, but this host is'
+            ' ${this_host}; start the node script whose node rank belongs to this host" >&2',
+            f"  exit {HOST_MISMATCH_EXIT}",
+            "fi",
+            ""]
+
+
 def env_lines(spec: LaunchSpec) -> list[str]:
     """The commented exports of the spec's environment (its network preset's first), or no lines."""
     env = spec.effective_env
@@ -199,6 +221,7 @@ def render_script(spec: LaunchSpec) -> str:
                 f'cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")"/{_q(rel)}', ""]
     else:
         out += ["# Paths below are relative to the directory this script is started from.", ""]
+    out += host_check_lines(spec)
     out += python_lines(spec)
     out += env_lines(spec)
     out += ["# torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).",

@@ -13,6 +13,17 @@ set -euo pipefail
 # Paths below are relative to the repository root, wherever this script is started from.
 cd -- "$(dirname -- "${BASH_SOURCE[0]}")"/../..
 
+# The host this node rank belongs on. Started elsewhere (a copied script, a node rank given twice)
+# torchrun would wait for the missing node until its timeout: refuse at once instead.
+# DISTLAB_SKIP_HOST_CHECK=1 skips this (hosts given by a name other than `hostname`).
+node_rank=1 node_host=192.168.1.101
+this_host="$(hostname 2>/dev/null || true)"
+known_as=" ${this_host} $(hostname -I 2>/dev/null || true) "
+if [[ "${DISTLAB_SKIP_HOST_CHECK:-0}" != 1 && "${known_as}" != *" ${node_host} "* ]]; then
+  echo "distlab: wrong node rank: node rank ${node_rank} belongs on ${node_host}, but this host is ${this_host}; start the node script whose node rank belongs to this host" >&2
+  exit 3
+fi
+
 # The interpreter for torchrun and, through it, every rank. Override: PYTHON=/path/to/python
 PYTHON="${PYTHON:-python}"
 
