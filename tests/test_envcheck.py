@@ -170,6 +170,24 @@ def test_sampler_records_a_busy_child(tmp_path):
     assert mine["mem_mib"].max() > 70
 
 
+def test_a_ranks_subprocess_is_not_labelled_as_the_rank():
+    # A torchrun rank's children inherit RANK and TORCHELASTIC_RUN_ID: `accept` once read an idle `git`
+    # started by rank 1 as an idle rank 1.
+    env = {"RANK": "1", "TORCHELASTIC_RUN_ID": "t", "PATH": "/usr/bin:/bin"}
+    rank = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '5'])"], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(rank.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = psutil.Process(rank.pid).children()[0]
+        assert monitor._role(psutil.Process(rank.pid)) == "rank 1"
+        assert monitor._role(child) == "sleep (child of rank 1)"
+    finally:
+        for p in psutil.Process(rank.pid).children() + [psutil.Process(rank.pid)]:
+            p.kill()
+        rank.wait(timeout=10)
+
+
 def test_sampler_never_raises_into_the_caller(tmp_path):
     # An unwritable path: the sampler notes the problem, the caller's block still runs.
     blocker = tmp_path / "file"

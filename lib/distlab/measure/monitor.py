@@ -142,6 +142,14 @@ class ProcessTree:
         return self._labels[key]
 
 
+def _is_rank(proc) -> bool:
+    try:
+        env = proc.environ() if proc is not None else {}
+    except psutil.Error:
+        return False
+    return "RANK" in env and "TORCHELASTIC_RUN_ID" in env
+
+
 def _role(proc) -> str:
     """'rank N' for a torchrun rank (from its RANK variable), else a short program name."""
 
@@ -150,6 +158,10 @@ def _role(proc) -> str:
     try:
         env = proc.environ()
         if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:  # set by torchrun for its ranks only
+            # A rank's own subprocesses (git for the provenance stamp, a compiler) inherit its variables:
+            # they are not the rank, and their idle samples must not read as an idle rank.
+            if _is_rank(proc.parent()):
+                return f"{proc.name()} (child of rank {env['RANK']})"
             return f"rank {env['RANK']}"
         cmdline = proc.cmdline()
     except psutil.Error:
