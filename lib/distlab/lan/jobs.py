@@ -224,11 +224,17 @@ def run_module(placement: Placement, name: str, module: str, args: Sequence[str]
                env: Mapping[str, str] | None = None, timeout_s: int = 300, echo=True, rendezvous: str = "static",
                on_start=None) -> ClusterRun:
     """Any worker module (allreduce_bench, fingerprint, calibrate) with one rank per host."""
+    spec = module_spec(placement, name, module, args, env=env, timeout_s=timeout_s, rendezvous=rendezvous)
+    return run_spec(placement, spec, name, limits=limits, timeout_s=timeout_s + 60, echo=echo, on_start=on_start)
+
+
+def module_spec(placement: Placement, name: str, module: str, args: Sequence[str], *,
+                env: Mapping[str, str] | None = None, timeout_s: int = 300, rendezvous: str = "static") -> LaunchSpec:
+    """The cluster launch spec of a worker module, one rank per host (what run_module runs)."""
     base = LaunchSpec(module=module, args=list(args), env={"OMP_NUM_THREADS": "1", **(env or {})},
                       log_dir=str(BUILD_DIR / "lan" / "torchrun" / name), timeout_s=timeout_s, kill_after_s=45,
                       python=sys.executable, description=f"{name}: {module} on the LAN cluster")
-    spec = cluster_spec(placement, base, rendezvous)
-    return run_spec(placement, spec, name, limits=limits, timeout_s=timeout_s + 60, echo=echo, on_start=on_start)
+    return cluster_spec(placement, base, rendezvous)
 
 
 def when_step(log: Path, step: int, action: Callable[[], None], timeout_s: float = 300) -> Callable[[], None]:

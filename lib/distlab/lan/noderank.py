@@ -24,17 +24,8 @@ from typing import Any
 from distlab.lan import jobs
 from distlab.lan.diagnose import diagnose
 from distlab.launch.runner import run
-from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import HOST_MISMATCH_EXIT, write_scripts
 from distlab.paths import BUILD_DIR, REPO_ROOT
-
-
-def fingerprint_spec(placement: jobs.Placement, name: str, timeout_s: int) -> LaunchSpec:
-    base = LaunchSpec(module="distlab.workers.fingerprint", args=["--out", str(BUILD_DIR / "lan" / f"{name}.json")],
-                      env={"OMP_NUM_THREADS": "1"}, log_dir=str(BUILD_DIR / "lan" / "torchrun" / name),
-                      timeout_s=timeout_s, kill_after_s=45, python=sys.executable,
-                      description=f"{name}: the fingerprint check on the LAN cluster")
-    return jobs.cluster_spec(placement, base)
 
 
 def wrong_node_rank_demo(placement: jobs.Placement, *, script_rank: int = 0, host: int = 1, timeout_s: int = 60,
@@ -42,7 +33,9 @@ def wrong_node_rank_demo(placement: jobs.Placement, *, script_rank: int = 0, hos
     """Start node `script_rank`'s script on host `host` (a node rank that belongs to another host)."""
     if placement.cluster is None:
         raise RuntimeError(f"the wrong-host check needs the namespace cluster: {placement.why_local}")
-    scripts = write_scripts(fingerprint_spec(placement, name, timeout_s), jobs.SCRIPTS_DIR, name)
+    spec = jobs.module_spec(placement, name, "distlab.workers.fingerprint",
+                            ["--out", str(BUILD_DIR / "lan" / f"{name}.json")], timeout_s=timeout_s)
+    scripts = write_scripts(spec, jobs.SCRIPTS_DIR, name)
     lines: list[str] = []
 
     def emit(line: str) -> None:
