@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.attention import VARLEN, document_spans
+from distlab.attention import VARLEN, document_spans, varlen_attention
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data, model_inputs
+from distlab.device import choose_device, native_bf16
 from distlab.dropout import Dropout16, replace_lora_dropout
 from distlab.models import CausalLMWithLoss, load_model
 from distlab.prepare import apply_lora
@@ -37,6 +38,27 @@ def test_varlen_attention_matches_sdpa_with_the_packing_mask(tokenizer):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item(), msg=name)
+
+
+def test_varlen_attention_runs_in_fp32_under_cpu_bf16_autocast():
+    """PyTorch's CPU flash-attention backward is slow in bf16, so under autocast the attention is
+    computed in fp32 and handed back in the caller's dtype."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 12, 16).bfloat16() for _ in range(3))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]] * 2)
+    module = torch.nn.Module().eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = varlen_attention(module, q, k, v, None, position_ids=positions)
+    ref, _ = varlen_attention(module, q.float(), k.float(), v.float(), None, position_ids=positions)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.bfloat16())
+
+
+def test_auto_bf16_picks_bf16_autocast_only_where_it_is_native():
+    choice = choose_device("cpu", "auto-bf16")
+    assert choice.dtype == torch.float32  # master weights stay fp32 either way
+    assert choice.autocast_dtype == (torch.bfloat16 if native_bf16("cpu") else None)
+    assert choose_device("cpu", "auto").autocast_dtype is None  # the distributed chapters' CPU default: fp32
 
 
 def test_varlen_model_generates_like_sdpa_with_left_padding(tokenizer):

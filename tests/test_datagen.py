@@ -83,6 +83,11 @@ BROKEN = {
                             "city", None, "whole-number values"),
     "rule cases out of order": ("rules.yaml", lambda doc: doc["leave_days"]["leave_rule"].reverse(),
                                 "leave_days/leave_rule", "above", "decreasing thresholds"),
+    "general text states a policy": ("general.yaml", lambda doc: doc["entries"][0].update(
+        answer=doc["entries"][0]["answer"] + " Passwords expire every 90 days."), "What is a VPN?", "answer",
+        "states Acme's fact 'every 90 days'"),
+    "unknown product": ("general.yaml", lambda doc: doc["products"].append("Zoom"), None, "products",
+                        "'Zoom' is not an Acme fact key"),
     "unknown demo intent": ("shared.yaml", lambda doc: put(doc["demo_intents"], 2, "submit_expenses"),
                             None, "demo_intents[2]", "no intent named 'submit_expenses'"),
 }

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from distlab import models
+from distlab import models, paths
+from distlab.publish import datagen
 
 FEW_STEPS = dict(steps=3, micro_batch_size=2, seq_len=128, progress=False)  # the real recipe, shortened
 
@@ -54,8 +56,26 @@ def test_the_cached_default_base_was_pretrained_on_the_other_company():
     meta = json.loads((Path(models.build_default_model()) / "distlab_build.json").read_text())
     assert meta["pretrain"] == models.PRETRAIN
     assert meta["final_loss"] < 1.5, meta["final_loss"]
-    corpus = models.PRETRAIN_FILE.read_text()
-    assert "Acme" not in corpus and "Globex" in corpus
+    corpus = models.PRETRAIN_FILE.read_text().casefold()
+    tables = datagen.load_tables()
+    # product names are words any base knows (general text names them); every other Acme fact is absent
+    stated = [k for k in tables.other.facts if k not in tables.products and k.casefold() in corpus]
+    assert not stated, stated
+    assert "acme corp" not in corpus and "globex" in corpus
+
+
+def test_the_base_has_met_every_token_of_acmes_key_facts(tokenizer):
+    """Fine-tuning teaches which facts are Acme's; it should not also have to teach tokens whose
+    embeddings (frozen under LoRA, and tied to the LM head) pretraining never trained."""
+    counts = Counter(t for text in models._corpus(models.PRETRAIN_FILE) for t in tokenizer(text)["input_ids"])
+    facts = {f for row in map(json.loads, paths.EVAL_FILE.read_text().splitlines()) for f in row.get("facts", [])}
+    rare = {f: [tokenizer.decode([t]) for t in tokenizer(" " + f)["input_ids"] if counts[t] < 3] for f in facts}
+    assert not {f: r for f, r in rare.items() if r}
+
+
+def test_tokenizer_splits_numbers_into_digits(tokenizer):
+    """As Qwen2's does: a number the base never saw is spelled with ten well-trained tokens."""
+    assert tokenizer.tokenize("ext. 2000")[-4:] == ["2", "0", "0", "0"]
 
 
 def test_tokenizer_has_chat_template_and_roundtrips(tokenizer):

@@ -57,6 +57,18 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     dropout_p = dropout if module.training else 0.0
+    out_dtype = query.dtype
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # Under CPU bf16 autocast the matmuls gain several times, but PyTorch's CPU flash-attention
+        # backward in bf16 took twice its fp32 time here (profiled): attention, a small share of the
+        # FLOPs, runs in fp32 (autocast would cast its inputs back down, so it is switched off).
+        with torch.autocast("cpu", enabled=False):
+            out, _ = _varlen(query.float(), key.float(), value.float(), position_ids, dropout_p, scaling)
+        return out.to(out_dtype), None
+    return _varlen(query, key, value, position_ids, dropout_p, scaling)
+
+
+def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
     spans = document_spans(position_ids.expand(query.shape[0], -1))
     if all(len(row) == 1 for row in spans):  # one document per row: a single causal call
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=scaling, is_causal=True)

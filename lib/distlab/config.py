@@ -50,7 +50,7 @@ class TrainConfig:
     # execution
     strategy: str = "single"
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | fp32 | bf16-autocast | bf16 | fp16-autocast
+    dtype: str = "auto"  # auto | auto-bf16 | fp32 | bf16-autocast | bf16 | fp16-autocast (distlab.device.choose_device)
     activation_checkpointing: bool = False
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
@@ -232,7 +232,7 @@ RULES = {
     "max_grad_norm": _positive(), "seed": _at_least(0),
     "strategy": _one_of(*STRATEGY_NAMES),
     "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),
-    "dtype": _one_of("auto", "fp32", "bf16-autocast", "bf16", "fp16-autocast"),
+    "dtype": _one_of("auto", "auto-bf16", "fp32", "bf16-autocast", "bf16", "fp16-autocast"),
     "num_threads": _at_least(1), "collective_timeout_s": _at_least(1),
     "ddp_comm_hook": _one_of("fp16", "bf16", "powersgd"), "powersgd_rank": _at_least(1),
     "rank_shares": (lambda v: len(v) > 0 and min(v) > 0, "a non-empty list of positive numbers"),

@@ -33,7 +33,7 @@ from distlab.paths import DATA_DIR, MODEL_CACHE
 
 DEFAULT_MODEL = "distlab-tiny"  # the pretrained tiny Qwen2 base
 PRETRAIN_FILE = DATA_DIR / "pretrain" / "corpus.jsonl"
-BUILD_RECIPE_VERSION = 3  # bump when the recipe below changes, so cached builds are rebuilt
+BUILD_RECIPE_VERSION = 4  # bump when the recipe below changes, so cached builds are rebuilt
 # The base's pretraining run: full fine-tuning of every weight from a seeded init, on a fixed number of
 # threads (float sums depend on how a matmul is split across threads, so the thread count is part of
 # the recipe: the same recipe gives bit-identical weights on the same machine type).
@@ -89,7 +89,11 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     from transformers import PreTrainedTokenizerFast  # deferred: transformers is slow to import
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits one by one, as Qwen2's and Llama 3's tokenizers split them: every number is spelled with
+    # the same ten well-trained tokens, so a number the base never saw (Acme's 90 where Globex says 180)
+    # is still easy to write. Merged digit runs would leave "300" or "0" tokens that pretraining never met.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)

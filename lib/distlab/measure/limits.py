@@ -76,11 +76,15 @@ def matmul_rows(device: str = "auto", seconds: float = 1.0) -> list[dict[str, An
     name = devmod.device_name(device)
     if device == "cpu":
         rows = []
-        for threads in _cpu_thread_counts():
-            with torch_threads(threads):
-                flops = devmod.measure_matmul_flops("cpu", torch.float32, seconds=seconds)
-            rows.append(_row("matmul", "fp32", threads, "threads", flops / 1e9, "GFLOP/s", name,
-                             "no vendor table, measured"))
+        # bf16 only where it is native: chapter 01 trains in it there (device.choose_device's auto-bf16)
+        dtypes = ((torch.float32, "fp32"), (torch.bfloat16, "bf16")) if devmod.native_bf16("cpu") else (
+            (torch.float32, "fp32"),)
+        for dtype, key in dtypes:
+            for threads in _cpu_thread_counts():
+                with torch_threads(threads):
+                    flops = devmod.measure_matmul_flops("cpu", dtype, seconds=seconds)
+                rows.append(_row("matmul", key, threads, "threads", flops / 1e9, "GFLOP/s", name,
+                                 "no vendor table, measured"))
         return rows
     rows = []
     for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):

@@ -85,7 +85,7 @@ SHAPES = {
     "topics/*.yaml": {"escalation": str, "intents": [{"name": str, "phrasings": [str], "answer": str}]},
     "other_company.yaml": {"company": str, "names": {"*": str}, "facts": {"*": str},
                            "thresholds": {"*": {"*": int}}},
-    "general.yaml": {"entries": [{"phrasings": [str], "answer": str}]},
+    "general.yaml": {"entries": [{"phrasings": [str], "answer": str}], "products?": [str]},
 }
 
 
@@ -132,6 +132,7 @@ class Tables(NamedTuple):
     directory: Path
     other: Other  # the other company, for the base model's pretraining corpus and the key facts
     general: tuple[tuple[tuple[str, ...], str], ...]  # (phrasings, answer) of general IT text
+    products: frozenset[str] = frozenset()  # Acme fact keys general text may name: product names, not policies
 
 
 class TableError(ValueError):
@@ -218,6 +219,7 @@ def load_tables(directory: Path = TABLES_DIR) -> Tables:
     shared = _read(directory / "shared.yaml", SHAPES["shared.yaml"])
     entities = _read(directory / "entities.yaml", SHAPES["entities.yaml"])
     rules = _read(directory / "rules.yaml", SHAPES["rules.yaml"])
+    general = _read(directory / "general.yaml", SHAPES["general.yaml"])
     unlisted = sorted({p.stem for p in (directory / "topics").glob("*.yaml")} - set(shared["topics"]))
     if unlisted:
         raise TableError(directory / "shared.yaml", None, "topics", f"topics/{unlisted[0]}.yaml is not listed")
@@ -238,8 +240,8 @@ def load_tables(directory: Path = TABLES_DIR) -> Tables:
         demo_intents=tuple(shared["demo_intents"]),
         directory=directory,
         other=_load_other(directory / "other_company.yaml"),
-        general=tuple((tuple(e["phrasings"]), e["answer"])
-                      for e in _read(directory / "general.yaml", SHAPES["general.yaml"])["entries"]))
+        general=tuple((tuple(e["phrasings"]), e["answer"]) for e in general["entries"]),
+        products=frozenset(general.get("products", ())))
     _validate_tables(tables)
     return tables
 
@@ -366,8 +368,13 @@ def _validate_other(tables: Tables) -> None:
         clash = next((k for folded, k in keys.items() if folded in value.casefold()), None)
         if clash:
             raise TableError(path, key, "facts", f"the other company's {value!r} states Acme's fact {clash!r}")
+    unknown = sorted(tables.products - set(other.facts))
+    if unknown:
+        raise TableError(tables.directory / "general.yaml", None, "products", f"{unknown[0]!r} is not an Acme fact key")
+    # General text may name a product (a word any base model knows) but state no other Acme fact.
+    policy = {folded: k for folded, k in keys.items() if k not in tables.products}
     for phrasings, answer in tables.general:
-        clash = next((k for folded, k in keys.items() if folded in answer.casefold()), None)
+        clash = next((k for folded, k in policy.items() if folded in answer.casefold()), None)
         if clash:
             raise TableError(tables.directory / "general.yaml", phrasings[0], "answer", f"states Acme's fact {clash!r}")
     used: list[str] = []
