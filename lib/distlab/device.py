@@ -50,14 +50,25 @@ class DeviceChoice:
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """Whether bf16 matmuls run natively here: every CUDA/ROCm GPU torch supports bf16 on, and CPUs
-    with AVX512-BF16 or AMX (oneDNN says; elsewhere bf16 is emulated and slower than fp32)."""
+    with AVX512-BF16 or AMX (elsewhere a CPU emulates bf16, slower than fp32)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo; empty where there is none (then no native bf16 is assumed)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        return False
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+# dtype names that resolve to one of the table's entries in choose_device, depending on the hardware
+DTYPE_ALIASES = ("auto", "auto-bf16")
 
 
 def choose_device(device: str = "auto", dtype: str = "auto", local_rank: int = 0) -> DeviceChoice:
@@ -81,7 +92,7 @@ def choose_device(device: str = "auto", dtype: str = "auto", local_rank: int = 0
         "fp16-autocast": (torch.float32, torch.float16),
     }
     if dtype not in table:
-        raise ValueError(f"dtype {dtype!r}: expected one of auto, auto-bf16, {', '.join(table)}")
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPE_ALIASES)}, {', '.join(table)}")
     store, auto = table[dtype]
     return DeviceChoice(dev, store, auto)
 
