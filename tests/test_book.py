@@ -3,7 +3,7 @@
 A small book input is prepared in a temporary folder (the repo's _config.yml and intro.md, one
 fixture notebook executed by regenerate that draws a matplotlib figure and saves a figure and a table
 with provenance sidecars into a temporary figures folder), built, served on 127.0.0.1 and visited
-page by page in Debian's chromium through Playwright (distlab.publish.book.check_site).
+page by page in Debian's chromium through Playwright (distlab.publish.site_check.check_site).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab.publish import book, regenerate
+from distlab.publish import book_build, book_staging, regenerate, site_check
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "notebooks"
@@ -26,7 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def chromium() -> Path:
-    exe, why = book.ensure_chromium()
+    exe, why = site_check.ensure_chromium()
     if exe is None:
         print(f"site checks skipped: {why}")
         pytest.skip(why)
@@ -54,7 +54,7 @@ def built(tmp_path_factory) -> dict:
                                     figures_dir=figures, timeout_s=120)
     assert [r.status for r in results] == ["ok"], results[0].message
     assert (figures / "fixture_squares.png.provenance.json").exists()
-    res = book.build(src, root / "out", figures_dir=figures, summary_path=root / "work" / "summary.json")
+    res = book_build.build(src, root / "out", figures_dir=figures, summary_path=root / "work" / "summary.json")
     return {"root": root, "src": src, "figures": figures, "result": res, "html": res.html_dir}
 
 
@@ -75,7 +75,7 @@ def test_build_has_chapters_results_and_provenance(built):
     assert "fixture_squares.csv" in results and "<table" in results
     assert "Latest regeneration" in results
     # Nothing loaded from another host: the theme's assets are bundled.
-    assert book.external_references(html) == {}
+    assert site_check.external_references(html) == {}
     # No launch buttons or repository links.
     intro = (html / "intro.html").read_text()
     assert "binder" not in intro.lower() and "github.com" not in intro
@@ -83,11 +83,11 @@ def test_build_has_chapters_results_and_provenance(built):
 
 def test_every_page_renders_offline(built, chromium):
     html = built["html"]
-    report = book.check_site(html, chromium=chromium)
+    report = site_check.check_site(html, chromium=chromium)
     print(report.summary())
     assert report.ok, report.summary()
     assert {"intro.html", "results.html", "notebooks/04_figure.html"} <= set(report.pages)
-    assert set(report.pages) == {p.relative_to(html).as_posix() for p in book.html_pages(html)}
+    assert set(report.pages) == {p.relative_to(html).as_posix() for p in book_build.html_pages(html)}
     assert report.images_checked >= 2  # the notebook's inline figure and the results page's
     assert report.links_checked > 0
     assert len(report.screenshots) == len(report.pages)
@@ -107,7 +107,7 @@ def test_check_site_reports_broken_images_and_links(built, chromium, tmp_path):
         img.write_bytes(b"not an image")
     page = broken / "intro.html"
     page.write_text(page.read_text().replace("</article>", '<a href="missing-page.html">x</a></article>', 1))
-    report = book.check_site(broken, chromium=chromium, screenshots_dir=tmp_path / "shots")
+    report = site_check.check_site(broken, chromium=chromium, screenshots_dir=tmp_path / "shots")
     assert not report.ok
     assert report.broken_images, report.summary()
     assert any(url.endswith("missing-page.html") for _, url, _ in report.broken_links), report.summary()
@@ -131,6 +131,6 @@ def test_broken_page_fails_the_build(tmp_path):
     src = _book_source(tmp_path)
     intro = src / "intro.md"
     intro.write_text(intro.read_text() + "\n![a figure that does not exist](figures/nowhere.png)\n")
-    with pytest.raises(book.BookBuildError, match="nowhere.png"):
-        book.build(src, tmp_path / "out", figures_dir=tmp_path / "no_figures",
-                   summary_path=tmp_path / "none.json")
+    with pytest.raises(book_staging.BookBuildError, match="nowhere.png"):
+        book_build.build(src, tmp_path / "out", figures_dir=tmp_path / "no_figures",
+                         summary_path=tmp_path / "none.json")

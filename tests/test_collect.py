@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from distlab.measure.state import MemoryBreakdown
 from distlab.metrics import StepLog
-from distlab.results import collect, schema
-from distlab.results.collect import ResultLogError, emit_result, extract_results
+from distlab.results import benchmark_report, extract, recorder, schema
+from distlab.results.extract import ResultLogError, extract_results
+from distlab.results.recorder import emit_result
+from distlab.results.schema import MemoryBreakdown
 
 W = schema.WARMUP_STEPS
 STEPS = list(range(1, W + 2))  # the warm-up steps, then one steady step
@@ -24,7 +25,8 @@ def record(rank: int, world: int = 2, strategy: str = "fsdp", mode: str = "lora"
            step_time: float = 0.5, comm: float | None = 0.1) -> dict:
     """A rank's result record; its warm-up steps take twice as long (they must not count)."""
     n = len(STEPS)
-    return {"schema": collect.SCHEMA, "run": run, "strategy": strategy, "mode": mode, "rank": rank, "world_size": world,
+    return {"schema": recorder.SCHEMA, "run": run, "strategy": strategy, "mode": mode, "rank": rank,
+            "world_size": world,
             "global_batch_size": 8, "steps": STEPS, "loss": [3.0 - 0.5 * i for i in range(n)],
             "tokens": [tps * step_time] * n, "step_time_s": [step_time * 2] * W + [step_time],
             "comm_time_s": [comm] * n, "comm_bytes": [1000] * n, "peak_mem_bytes": (500 + rank) * 2**20,
@@ -127,21 +129,21 @@ def test_collect_run_prefers_console_then_rank_logs(tmp_path):
     for rank in range(2):
         (ranks / str(rank)).mkdir(parents=True)
         (ranks / str(rank) / "stdout.log").write_text("\n".join(block(rank)) + "\n")
-    assert sorted(collect.collect_run(run, expected_ranks=2)) == [0, 1]  # no console.log: rank logs
+    assert sorted(extract.collect_run(run, expected_ranks=2)) == [0, 1]  # no console.log: rank logs
     (run / "console.log").write_text("\n".join(block(0, prefix="[default0]:")) + "\n")
     with pytest.raises(ResultLogError, match="missing rank"):
-        collect.collect_run(run, expected_ranks=2)  # the console wins, and it lacks rank 1
-    assert sorted(collect.collect_run(run, expected_ranks=2, source="ranks")) == [0, 1]
+        extract.collect_run(run, expected_ranks=2)  # the console wins, and it lacks rank 1
+    assert sorted(extract.collect_run(run, expected_ranks=2, source="ranks")) == [0, 1]
     with pytest.raises(ResultLogError, match="no console.log and no per-rank logs"):
-        collect.collect_run(tmp_path / "empty")
+        extract.collect_run(tmp_path / "empty")
 
 
 def test_aggregate_plots_and_report(tmp_path):
     runs = [{0: record(0, world=1, strategy="single", run="base", tps=100)},
             {r: record(r, strategy="ddp", run="ddp", tps=180) for r in range(2)},
             {r: record(r, strategy="fsdp", run="fsdp", tps=150, comm=None) for r in range(2)}]
-    df = collect.aggregate(runs)
-    assert list(df.columns) == collect.METRICS
+    df = benchmark_report.aggregate(runs)
+    assert list(df.columns) == benchmark_report.METRICS
     row = df.set_index("run").loc["ddp"]
     assert row["scaling_efficiency"] == pytest.approx(0.9) and row["speedup"] == pytest.approx(1.8)
     assert row["tokens_per_s"] == pytest.approx(180.0)  # steady state: the slow warm-up steps are left out
@@ -150,11 +152,11 @@ def test_aggregate_plots_and_report(tmp_path):
     assert row["peak_mem_bytes_per_rank"] == f"{500 * 2**20};{501 * 2**20}" and row["comm_share"] == pytest.approx(0.2)
     assert math.isnan(df.set_index("run").loc["fsdp", "comm_share"])
     stamp = {"device": "test", "model": "tiny", "world_size": "1/2", "commit": "x", "date": "today"}
-    csv = collect.save_metrics(df, tmp_path, stamp)
-    plots = collect.save_plots(df, tmp_path, stamp)
-    report = collect.write_report(df, tmp_path, stamp, sections={"Extra": df[["run", "mean_loss"]]})
+    csv = benchmark_report.save_metrics(df, tmp_path, stamp)
+    plots = benchmark_report.save_plots(df, tmp_path, stamp)
+    report = benchmark_report.write_report(df, tmp_path, stamp, sections={"Extra": df[["run", "mean_loss"]]})
     assert csv.name == "strategy_metrics.csv" and len(plots) == 2
-    assert csv.read_text().splitlines()[0].split(",") == collect.METRICS
+    assert csv.read_text().splitlines()[0].split(",") == benchmark_report.METRICS
     assert all(p.exists() and p.with_name(p.name + ".provenance.json").exists() for p in plots + [csv, report])
     text = report.read_text()
     assert "#### LoRA: metrics" in text and "#### Extra" in text and "_Provenance: test |" in text
@@ -164,18 +166,18 @@ def test_aggregate_plots_and_report(tmp_path):
     resumed = {0: record(0), 1: {**record(1), "steps": later, "loss": record(1)["loss"][1:],
                                  "tokens": [50.0] * len(later), "step_time_s": [0.6] * len(later),
                                  "comm_time_s": [0.1] * len(later), "comm_bytes": [1000] * len(later)}}
-    row = collect.run_metrics(resumed)
+    row = benchmark_report.run_metrics(resumed)
     assert row["steps_averaged"] == 1 and row["step_time_s"] == pytest.approx(0.6)  # the slower rank 1
     with pytest.raises(FileNotFoundError, match="no such log file"):
         extract_results(tmp_path / "missing.log")
     with pytest.raises(ValueError, match="another run"):
-        collect.run_metrics({0: record(0), 1: record(1, strategy="ddp")})
+        benchmark_report.run_metrics({0: record(0), 1: record(1, strategy="ddp")})
     with pytest.raises(ValueError, match="expected 0..1"):
-        collect.run_metrics({0: record(0)})
+        benchmark_report.run_metrics({0: record(0)})
     with pytest.raises(ValueError, match=f"run r: no step after the {W} warm-up steps"):
         short = {r: {**record(r), "steps": STEPS[:W], "loss": [2.0] * W, "tokens": [1.0] * W,
                      "step_time_s": [1.0] * W, "comm_time_s": [0.1] * W, "comm_bytes": [1] * W} for r in range(2)}
-        collect.run_metrics(short)
+        benchmark_report.run_metrics(short)
 
 
 def fake_run(tmp_path, world: int = 2, steps: int = W + 2):
@@ -199,14 +201,14 @@ def test_rank_results_summarise_like_the_step_logs(tmp_path):
     out, cfg, strategies = fake_run(tmp_path)
     logs = [out / "train_log.jsonl", out / "train_log.rank1.jsonl"]
     state = MemoryBreakdown(weights=10, adapter_weights=2, gradients=3, optimizer_state=4, activations=99, buffers=5)
-    results = {s.rank: collect.rank_result(cfg, s, logs[s.rank], {"final_loss": 2.6, "peak_mem_bytes": 0},
+    results = {s.rank: recorder.rank_result(cfg, s, logs[s.rank], {"final_loss": 2.6, "peak_mem_bytes": 0},
                                            measured_state=state if s.rank == 0 else None) for s in strategies}
     assert results[0]["state_bytes"] == {"weights": 10, "adapter_weights": 2, "gradients": 3, "optimizer_state": 4,
                                          "buffers": 5}  # activations are not state a rank owns
     assert "state_bytes" not in results[1]
     assert results[1]["rank_summary"]["step_time_s"] == pytest.approx(1.5)
     assert results[0]["rank_summary"]["comm_share"] == pytest.approx(0.1)
-    row = collect.run_metrics(results)
+    row = benchmark_report.run_metrics(results)
     from_logs = schema.summarise_logs(logs[0])
     for key in schema.SUMMARY:
         assert row[key] == pytest.approx(from_logs[key]) if isinstance(row[key], float) else row[key] == from_logs[key]
@@ -218,10 +220,10 @@ def test_emit_rank_result_prints_only_for_launched_ranks(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("DISTLAB_EMIT_RESULT", raising=False)
     buf = io.StringIO()
-    assert collect.emit_rank_result(cfg, strategies[0], out / "train_log.jsonl", {}, stream=buf) is None
+    assert recorder.emit_rank_result(cfg, strategies[0], out / "train_log.jsonl", {}, stream=buf) is None
     assert buf.getvalue() == ""
     monkeypatch.setenv("RANK", "0")
-    rec = collect.emit_rank_result(cfg, strategies[0], out / "train_log.jsonl", {}, stream=buf)
+    rec = recorder.emit_rank_result(cfg, strategies[0], out / "train_log.jsonl", {}, stream=buf)
     assert math.isnan(rec["rank_summary"]["tokens_per_s"]) and rec["warmup_steps"] == W
     back = extract_results(buf.getvalue(), expected_ranks=1)[0]
     assert back["steps"] == list(range(1, W + 1)) and math.isnan(back["rank_summary"]["step_time_s"])

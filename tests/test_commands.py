@@ -1,4 +1,4 @@
-"""The seed's commands on the run folders of a real launch: distlab.matrix launches a 1-rank and a 2-rank
+"""The seed's commands on the run folders of a real launch: distlab.commands.matrix launches a 1-rank and a 2-rank
 DDP run with the generated torchrun scripts, then scaling, report, infer, accept and monitor run on them."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from distlab.paths import REPO_ROOT
-from distlab.results.collect import PLOTS
+from distlab.results.benchmark_report import PLOTS
 
 pytestmark = pytest.mark.slow
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from distlab import checkpoint
-from distlab.launch.jobs import launch_training
-from distlab.launch.runner import RunFailed
+from distlab.launch.local import launch_training
+from distlab.launch.process import RunFailed
 from distlab.metrics import read_log
-from distlab.results import report
+from distlab.results import scaling_table
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def test_two_ranks_give_the_one_rank_loss_curve(tmp_path):
     # the hook times the wait for the slower rank apart from the transfer (chapter 02's cost model)
     assert all(s["comm_calls"] >= 1 and s["comm_wait_s"] >= 0 and s["comm_transfer_s"] > 0 for s in steps)
     assert all(s["comm_wait_s"] + s["comm_transfer_s"] == pytest.approx(s["comm_time_s"]) for s in steps)
-    assert report.comm_split(two.log)["comm_calls"] >= 1
+    assert scaling_table.comm_split(two.log)["comm_calls"] >= 1
     assert len(two.rank_logs) == 1  # rank 1 writes its own log
 
 
@@ -74,7 +74,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
 def test_a_sweep_runs_each_variant_as_if_launched_alone(tmp_path):
     """Runs of one launch share the ranks and the process group, nothing else: the same config
     twice in a sweep gives the loss curve of a launch of its own, both times."""
-    from distlab.launch.jobs import launch_sweep
+    from distlab.launch.local import launch_sweep
 
     cfg = {**COMMON, "max_steps": 3, "eval_file": None, "lora_dropout": 0.05}
     alone = launch_training("t_alone", 2, cfg, runs_dir=tmp_path, echo=False)

@@ -11,8 +11,9 @@ import psutil
 import pytest
 
 from distlab import device
-from distlab.launch import runner
-from distlab.measure import envcheck, limits, monitor
+from distlab.launch import process
+from distlab.measure import envcheck, limits, utilisation
+from distlab.workers import launcher
 
 TINY_SIZES_KIB = [4, 64]
 
@@ -21,7 +22,7 @@ TINY_SIZES_KIB = [4, 64]
 def sweep(tmp_path_factory):
     """One short all-reduce run shared by the tests that only read its result."""
     out = tmp_path_factory.mktemp("allreduce") / "allreduce.json"
-    return limits.run_allreduce_bench(nproc=2, sizes_kib=TINY_SIZES_KIB, timeout_s=90,
+    return launcher.run_allreduce_bench(nproc=2, sizes_kib=TINY_SIZES_KIB, timeout_s=90,
                                       seconds_per_size=0.05, out_json=out, echo=False)
 
 
@@ -61,7 +62,7 @@ def test_compare_fingerprints_separates_mismatch_from_node_identity():
 
 
 def test_fingerprint_agrees_across_two_ranks(tmp_path):
-    df = envcheck.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", echo=False)
+    df = launcher.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", echo=False)
     assert {"field", "rank0", "rank1", "MISMATCH"} <= set(df.columns)
     assert not df["MISMATCH"].any(), df[df["MISMATCH"]]
     torch_row = df.set_index("field").loc["torch"]
@@ -70,7 +71,7 @@ def test_fingerprint_agrees_across_two_ranks(tmp_path):
 
 def test_fake_perturbation_on_rank1_is_flagged(tmp_path):
     env = {envcheck.FAKE_RANK1_ENV: "peft=0.0.0-fake"}
-    df = envcheck.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", env=env, echo=False)
+    df = launcher.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", env=env, echo=False)
     flagged = df[df["MISMATCH"]]
     assert list(flagged["field"]) == ["peft"]
     assert flagged["rank1"].iloc[0] == "0.0.0-fake"
@@ -121,8 +122,8 @@ def test_timed_out_launch_leaves_no_process(tmp_path):
         if m:
             seen_pids.append(int(m.group(1)))
 
-    with pytest.raises(runner.RunFailed) as err:
-        limits.run_allreduce_bench(nproc=2, sizes_kib=[4], timeout_s=8, seconds_per_size=600,
+    with pytest.raises(process.RunFailed) as err:
+        launcher.run_allreduce_bench(nproc=2, sizes_kib=[4], timeout_s=8, seconds_per_size=600,
                                    max_iters=10**9, out_json=tmp_path / "ar.json", echo=collect)
     assert err.value.result.timed_out
     assert seen_pids, "the ranks never started, so the test proved nothing"
@@ -161,7 +162,7 @@ while time.perf_counter() - t0 < 1.5:
 
 def test_sampler_records_a_busy_child(tmp_path):
     csv_path = tmp_path / "util.csv"
-    with monitor.UtilizationSampler(csv_path, interval_s=0.2, pids="children", source="process") as sampler:
+    with utilisation.UtilizationSampler(csv_path, interval_s=0.2, pids="children", source="process") as sampler:
         child = subprocess.Popen([sys.executable, "-c", BURN])
         child.wait(timeout=30)
     assert not sampler.errors
@@ -184,8 +185,8 @@ def test_a_ranks_subprocess_is_not_labelled_as_the_rank():
         while not psutil.Process(rank.pid).children() and time.monotonic() < deadline:
             time.sleep(0.05)
         child = psutil.Process(rank.pid).children()[0]
-        assert monitor._role(psutil.Process(rank.pid)) == "rank 1"
-        assert monitor._role(child) == "sleep (child of rank 1)"
+        assert utilisation._role(psutil.Process(rank.pid)) == "rank 1"
+        assert utilisation._role(child) == "sleep (child of rank 1)"
     finally:
         for p in psutil.Process(rank.pid).children() + [psutil.Process(rank.pid)]:
             p.kill()
@@ -196,16 +197,16 @@ def test_sampler_never_raises_into_the_caller(tmp_path):
     # An unwritable path: the sampler notes the problem, the caller's block still runs.
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with monitor.UtilizationSampler(blocker / "sub" / "util.csv", interval_s=0.05, source="process") as s:
+    with utilisation.UtilizationSampler(blocker / "sub" / "util.csv", interval_s=0.05, source="process") as s:
         time.sleep(0.1)
     assert s.errors
 
 
 def test_gpu_tool_output_is_parsed():
     # No GPU here: check the parsers on the tools' documented output formats instead.
-    nvidia = monitor._parse_nvidia("0, NVIDIA H100 80GB HBM3, 87, 40321\n1, NVIDIA H100 80GB HBM3, [N/A], 12\n")
+    nvidia = utilisation._parse_nvidia("0, NVIDIA H100 80GB HBM3, 87, 40321\n1, NVIDIA H100 80GB HBM3, [N/A], 12\n")
     assert [r["util_pct"] for r in nvidia][0] == 87 and nvidia[1]["mem_mib"] == 12
     assert nvidia[1]["util_pct"] != nvidia[1]["util_pct"]  # NaN for [N/A]
-    rocm = monitor._parse_rocm('{"card0": {"GPU use (%)": "55", "VRAM Total Memory (B)": "68702699520", '
+    rocm = utilisation._parse_rocm('{"card0": {"GPU use (%)": "55", "VRAM Total Memory (B)": "68702699520", '
                                '"VRAM Total Used Memory (B)": "1073741824"}, "system": {}}')
     assert rocm == [{"id": "0", "label": "gpu0", "util_pct": 55.0, "mem_mib": 1024.0}]

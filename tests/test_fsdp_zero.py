@@ -15,10 +15,10 @@ import json
 import pytest
 
 from distlab.config import LORA_TARGETS
-from distlab.launch.jobs import launch_training
+from distlab.launch.local import launch_training
 from distlab.metrics import read_log
 from distlab.planning import memory
-from distlab.results import collect
+from distlab.results import benchmark_report, extract, recorder
 
 pytestmark = pytest.mark.slow
 
@@ -78,16 +78,16 @@ def test_every_rank_reports_between_markers(runs):
     _, jobs = runs
     for (strategy, mode), job in jobs.items():
         world = 1 if strategy == "single" else 2
-        results = collect.collect_run(job.output_dir, expected_ranks=world)
-        assert collect.collect_run(job.output_dir, expected_ranks=world, source="ranks") == results
+        results = extract.collect_run(job.output_dir, expected_ranks=world)
+        assert extract.collect_run(job.output_dir, expected_ranks=world, source="ranks") == results
         for rank, rec in results.items():
-            assert rec["schema"] == collect.SCHEMA and rec["strategy"] == strategy and rec["mode"] == mode
+            assert rec["schema"] == recorder.SCHEMA and rec["strategy"] == strategy and rec["mode"] == mode
             assert rec["rank"] == rank and rec["world_size"] == world and rec["global_batch_size"] == 8
             assert rec["loss"] == pytest.approx(losses(job), rel=1e-12)
             assert rec["rank_summary"]["tokens_per_s"] > 0 and rec["peak_mem_bytes"] > 0
             if world > 1:
                 assert rec["rank_summary"]["comm_share"] > 0, (strategy, mode)
-    df = collect.aggregate(collect.collect_run(job.output_dir) for job in jobs.values())
+    df = benchmark_report.aggregate(extract.collect_run(job.output_dir) for job in jobs.values())
     assert len(df) == len(jobs)
     assert df[df["mode"] == "lora"]["scaling_efficiency"].notna().all()  # against the 1-rank LoRA run
 
@@ -107,7 +107,7 @@ def test_owned_state_bytes_match_the_planner(runs, strategy, mode, tiny_model):
     """Per rank, per component: weights, adapters, gradients, optimizer state within 5%."""
     _, jobs = runs
     world = 1 if strategy == "single" else 2
-    results = collect.collect_run(jobs[(strategy, mode)].output_dir, expected_ranks=world)
+    results = extract.collect_run(jobs[(strategy, mode)].output_dir, expected_ranks=world)
     for rank, rec in results.items():
         measured = rec["state_bytes"]
         plan = memory.plan_memory(tiny_model.config, strategy=strategy, world_size=world, rank=rank,
@@ -117,7 +117,7 @@ def test_owned_state_bytes_match_the_planner(runs, strategy, mode, tiny_model):
             predicted = getattr(plan, part)
             assert measured[part] == pytest.approx(predicted, rel=STATE_RTOL, abs=1), (strategy, mode, rank, part)
     if strategy not in ("single", "ddp"):  # DDP replicates everything; each sharded strategy holds less
-        replicated = collect.collect_run(jobs[("ddp", mode)].output_dir)[0]["state_bytes"]
+        replicated = extract.collect_run(jobs[("ddp", mode)].output_dir)[0]["state_bytes"]
         def total(b):
             return sum(b[k] for k in ("weights", "adapter_weights", "gradients", "optimizer_state"))
 

@@ -21,19 +21,21 @@ from pathlib import Path
 import pytest
 
 from distlab import launch
-from distlab.launch import k8s, kubecheck, kubecollect, kubernetes, network, runner, seeds
-from distlab.launch.kubecheck import CHECKS, Doc
-from distlab.launch.kubernetes import KubeJob, KubeJobError, kube_spec
+from distlab.launch import catalog, network, process
+from distlab.launch.kubernetes import checks, cli, collect, manifests
+from distlab.launch.kubernetes.checks import CHECKS, Doc
+from distlab.launch.kubernetes.manifests import KubeJob, KubeJobError, kube_spec
 from distlab.launch.spec import LaunchSpec, LaunchSpecError
 from distlab.launch.torchrun import torchrun_flags
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
-from distlab.results import collect
-from distlab.results.collect import ResultLogError, emit_result
+from distlab.results import extract, recorder
+from distlab.results.extract import ResultLogError
+from distlab.results.recorder import emit_result
 
 K8S = LAUNCH_DIR / "k8s"
 BROKEN = Path(__file__).parent / "fixtures" / "k8s" / "broken.yaml"
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
-ROWS = {row.name: row for row in seeds.KUBE_MATRIX}
+ROWS = {row.name: row for row in catalog.KUBE_MATRIX}
 
 
 # ------------------------------------------------------------------ network presets
@@ -86,7 +88,7 @@ def test_every_launch_target_takes_a_preset_and_the_spec_env_wins():
     assert "GLOO_SOCKET_IFNAME=eth0 python -m torch.distributed.run" in files["lan/README.md"]
     one = launch.render_script(LaunchSpec(nproc_per_node=2, network="cloud-no-rdma"))  # a one-node script
     assert "export NCCL_NSOCKS_PERTHREAD=4\n" in one
-    entry = kubernetes.render_entrypoint(seeds.kube_job(ROWS["ddp-2gpu"]))  # a Kubernetes entrypoint
+    entry = manifests.render_entrypoint(catalog.kube_job(ROWS["ddp-2gpu"]))  # a Kubernetes entrypoint
     assert "# Network preset: cloud-no-rdma" in entry and "export NCCL_SOCKET_NTHREADS=4\n" in entry
 
 
@@ -99,22 +101,22 @@ def test_no_preset_leaves_the_scripts_as_they_were():
 # ------------------------------------------------------------------ manifests
 
 def test_committed_k8s_folder_is_what_the_writer_writes():
-    problems = launch.check_dir(K8S, seeds.kube_files())
+    problems = launch.check_dir(K8S, catalog.kube_files())
     assert problems == [], "launch/k8s/ is stale; run `python -m distlab.launch regenerate`:\n" + "\n".join(problems)
-    assert {f"k8s/{rel}" for rel in seeds.kube_files()} <= set(launch.seed_files())  # `check` covers it
+    assert {f"k8s/{rel}" for rel in catalog.kube_files()} <= set(launch.launch_files())  # `check` covers it
 
 
 def test_the_matrix_is_the_seeds_benchmark():
     assert list(ROWS) == ["smoke-1gpu", "ddp-2gpu", "ddp-4gpu", "fsdp-2gpu", "fsdp-4gpu", "zero2-2gpu", "zero2-4gpu",
                           "zero3-2gpu", "zero3-4gpu"]
-    files = seeds.kube_files()
+    files = catalog.kube_files()
     assert sorted(f for f in files if f.startswith("jobs/")) == sorted(f"jobs/{n}.yaml" for n in ROWS)
     assert 'ENTRYPOINT ["bash", "/app/launch/k8s/entrypoints/smoke-1gpu.sh"]' in files["Dockerfile"]
 
 
 def test_indexed_job_shape():
-    job = seeds.kube_job(ROWS["fsdp-4gpu"])
-    m = kubernetes.job_manifest(job)
+    job = catalog.kube_job(ROWS["fsdp-4gpu"])
+    m = manifests.job_manifest(job)
     spec, pod = m["spec"], m["spec"]["template"]["spec"]
     assert (m["apiVersion"], m["kind"], m["metadata"]["namespace"]) == ("batch/v1", "Job", "distlab-bench")
     assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == \
@@ -128,11 +130,11 @@ def test_indexed_job_shape():
     assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
     labels = spec["template"]["metadata"]["labels"]
     assert labels["distlab.io/run"] == "fsdp-4gpu" and labels["distlab.io/strategy"] == "fsdp"
-    service = kubernetes.service_manifest()
+    service = manifests.service_manifest()
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= labels.items()
     assert spec["activeDeadlineSeconds"] > job.spec.timeout_s + job.dns_wait_s
-    smoke = kubernetes.job_manifest(seeds.kube_job(ROWS["smoke-1gpu"]))["spec"]
+    smoke = manifests.job_manifest(catalog.kube_job(ROWS["smoke-1gpu"]))["spec"]
     assert (smoke["completions"], smoke["parallelism"]) == (1, 1)
 
 
@@ -161,28 +163,28 @@ def test_invalid_kube_jobs_name_the_field(field, make):
 # ------------------------------------------------------------------ offline validation
 
 def test_committed_manifests_pass_schema_and_checks_for_two_versions(capsys):
-    found = kubecheck.validate_files([K8S])
-    print(kubecheck.report(found))  # shown with `pytest -s`: the validation output of the committed manifests
-    assert len(found) == 2 + len(ROWS) and all(p == [] for p in found.values()), kubecheck.report(found)
-    assert kubecheck.VERSIONS == ("1.30", "1.34")
+    found = checks.validate_files([K8S])
+    print(checks.report(found))  # shown with `pytest -s`: the validation output of the committed manifests
+    assert len(found) == 2 + len(ROWS) and all(p == [] for p in found.values()), checks.report(found)
+    assert checks.VERSIONS == ("1.30", "1.34")
 
 
 def test_cli_reports_per_file(capsys):
-    assert k8s.main(["validate", str(K8S / "service.yaml"), str(K8S / "jobs" / "ddp-2gpu.yaml")]) == 0
+    assert cli.main(["validate", str(K8S / "service.yaml"), str(K8S / "jobs" / "ddp-2gpu.yaml")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^OK   .*service\.yaml$", out, re.M) and re.search(r"^OK   .*ddp-2gpu\.yaml$", out, re.M)
-    assert k8s.main(["validate", str(BROKEN)]) == 1
+    assert cli.main(["validate", str(BROKEN)]) == 1
     out = capsys.readouterr().out
     print(out)  # the broken fixture's report
     assert out.startswith(f"FAIL {BROKEN}:")
     for check in CHECKS:  # the fixture breaks every rule at once
         assert f"[{check}]" in out, check
-    assert k8s.main(["validate", "no/such/file.yaml"]) == 2
+    assert cli.main(["validate", "no/such/file.yaml"]) == 2
 
 
 def _docs(mutate):
-    service = kubernetes.service_manifest()
-    job = kubernetes.job_manifest(seeds.kube_job(ROWS["ddp-2gpu"]))
+    service = manifests.service_manifest()
+    job = manifests.job_manifest(catalog.kube_job(ROWS["ddp-2gpu"]))
     mutate(service, job)
     return [Doc("service.yaml", 0, service), Doc("job.yaml", 0, job)]
 
@@ -224,7 +226,7 @@ SCHEMA_BLIND = {"names", "completion-mode", "restart-policy", "image", "master-a
 
 
 def test_the_unbroken_documents_pass():
-    found = kubecheck.validate_docs(_docs(lambda s, j: None))
+    found = checks.validate_docs(_docs(lambda s, j: None))
     assert found == {"service.yaml": [], "job.yaml": []}
 
 
@@ -232,15 +234,15 @@ def test_the_unbroken_documents_pass():
 def test_each_check_rejects_a_broken_manifest(case):
     check = next(c for c in CHECKS if case == c or case.startswith(c + "-"))
     schema = check == "schema"
-    found = kubecheck.validate_docs(_docs(BREAKS[case]), versions=kubecheck.VERSIONS if schema else ())
+    found = checks.validate_docs(_docs(BREAKS[case]), versions=checks.VERSIONS if schema else ())
     problems = [p for ps in found.values() for p in ps]
     assert check in {p.check for p in problems}, problems
     if schema:  # rejected under each version, strictly
-        assert {v for v in kubecheck.VERSIONS if any(f"Kubernetes {v} (strict)" in p.message for p in problems)} == \
-            set(kubecheck.VERSIONS), problems
+        assert {v for v in checks.VERSIONS if any(f"Kubernetes {v} (strict)" in p.message for p in problems)} == \
+            set(checks.VERSIONS), problems
     if case in SCHEMA_BLIND:  # ... and the schema alone would have let it through
         docs = _docs(BREAKS[case])
-        assert [p for d in docs for p in kubecheck.schema_problems(d)] == []
+        assert [p for d in docs for p in checks.schema_problems(d)] == []
 
 
 # ------------------------------------------------------------------ shell and image
@@ -262,7 +264,7 @@ def test_entrypoints_pass_bash_n_and_shellcheck(tmp_path, shellcheck):
                            env_notes={"DISTLAB_X": "quoting"}, network="rdma-infiniband")
     nasty = KubeJob("nasty", nasty_spec, image="i:1")
     extra = tmp_path / "nasty.sh"
-    extra.write_text(kubernetes.render_entrypoint(nasty))
+    extra.write_text(manifests.render_entrypoint(nasty))
     for path in scripts + [extra]:
         syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert syntax.returncode == 0, f"{path}: {syntax.stderr}"
@@ -272,7 +274,7 @@ def test_entrypoints_pass_bash_n_and_shellcheck(tmp_path, shellcheck):
 
 def _entry(tmp_path: Path, job: KubeJob) -> Path:
     path = tmp_path / f"{job.name}.sh"
-    path.write_text(kubernetes.render_entrypoint(job))
+    path.write_text(manifests.render_entrypoint(job))
     return path
 
 
@@ -392,7 +394,7 @@ def fake_kubectl(tmp_path: Path, monkeypatch, logs: dict[str, str], pods: list[t
     (folder / "kubectl").write_text(FAKE_KUBECTL)
     (folder / "kubectl").chmod(0o755)
     items = [{"metadata": {"name": n, "creationTimestamp": t, "labels": {"distlab.io/run": "ddp-2gpu"},
-                           "annotations": {kubecollect.INDEX_KEY: str(i)}}, "status": {"phase": p}}
+                           "annotations": {collect.INDEX_KEY: str(i)}}, "status": {"phase": p}}
              for n, i, t, p in pods]
     (folder / "pods.json").write_text(json.dumps({"items": items}))
     for name, text in logs.items():
@@ -403,7 +405,7 @@ def fake_kubectl(tmp_path: Path, monkeypatch, logs: dict[str, str], pods: list[t
 
 
 def _record(rank: int, world: int = 2) -> dict:
-    return {"schema": collect.SCHEMA, "run": "ddp-2gpu", "strategy": "ddp", "mode": "lora", "rank": rank,
+    return {"schema": recorder.SCHEMA, "run": "ddp-2gpu", "strategy": "ddp", "mode": "lora", "rank": rank,
             "world_size": world, "steps": [1, 2], "loss": [3.0, 2.5], "tokens": [100, 100], "step_time_s": [1.0, 0.5],
             "peak_mem_bytes": 2**20, "final_loss": 2.5, "rank_summary": {"tokens_per_s": 200.0, "step_time_s": 0.5}}
 
@@ -428,7 +430,7 @@ def test_collector_reads_every_pod_and_skips_replaced_ones(tmp_path, monkeypatch
         ("ddp-2gpu-1-old11", 1, "2026-01-06T12:00:00Z", "Failed"),
         ("ddp-2gpu-1-new22", 1, "2026-01-06T12:03:00Z", "Succeeded")])
     out = tmp_path / "out"
-    assert k8s.main(["collect", "--namespace", "distlab-bench", "--run", "ddp-2gpu", "--out", str(out)]) == 0
+    assert cli.main(["collect", "--namespace", "distlab-bench", "--run", "ddp-2gpu", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "ddp-2gpu: 2 pod(s) in distlab-bench: ddp-2gpu-0-aaaaa (Succeeded), ddp-2gpu-1-new22 (Succeeded)" in text
     assert "rank 1: ddp x2" in text
@@ -436,20 +438,20 @@ def test_collector_reads_every_pod_and_skips_replaced_ones(tmp_path, monkeypatch
     assert calls[0] == "get pods --namespace distlab-bench --selector distlab.io/run=ddp-2gpu --output json"
     assert "logs --namespace distlab-bench pod/ddp-2gpu-1-new22" in calls and not any("old11" in c for c in calls)
     assert sorted(json.loads((out / "ddp-2gpu" / "results.json").read_text())) == ["0", "1"]
-    assert sorted(collect.collect_run(out / "ddp-2gpu", expected_ranks=2)) == [0, 1]  # like a local run
+    assert sorted(extract.collect_run(out / "ddp-2gpu", expected_ranks=2)) == [0, 1]  # like a local run
     assert (out / "ddp-2gpu" / "pods" / "ddp-2gpu-0-aaaaa.log").read_text() == logs["ddp-2gpu-0-aaaaa"]
 
 
 def test_collector_errors_are_clear(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl anywhere
-    assert k8s.main(["collect", "--run", "ddp-2gpu"]) == 1
+    assert cli.main(["collect", "--run", "ddp-2gpu"]) == 1
     assert "kubectl not found on PATH" in capsys.readouterr().out
     with pytest.raises(ResultLogError, match="missing: \\[1\\]"):
-        kubecollect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0)})
+        collect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0)})
     with pytest.raises(ResultLogError, match="pod ddp-2gpu-1-b:4: result of rank 1 has a START marker but the log"):
-        kubecollect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0), "ddp-2gpu-1-b": pod_log(1, 1, truncated=True)})
+        collect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0), "ddp-2gpu-1-b": pod_log(1, 1, truncated=True)})
     with pytest.raises(ResultLogError, match="no result markers in the logs of 1 pod"):
-        kubecollect.results_from_logs({"ddp-2gpu-0-a": "entrypoint: JOB_COMPLETION_INDEX is not set\n"})
+        collect.results_from_logs({"ddp-2gpu-0-a": "entrypoint: JOB_COMPLETION_INDEX is not set\n"})
 
 
 # ------------------------------------------------------------------ two local pods, one real DDP run
@@ -478,7 +480,7 @@ def test_two_local_pods_run_the_entrypoint_to_a_finished_ddp_run(tmp_path, monke
         folder = tmp_path / f"pod{index}"
         folder.mkdir()
         lines: list[str] = []
-        results[index] = runner.run(["bash", str(script)], timeout_s=300, cwd=folder, echo=lines.append, check=False,
+        results[index] = process.run(["bash", str(script)], timeout_s=300, cwd=folder, echo=lines.append, check=False,
                                     env={"JOB_COMPLETION_INDEX": str(index), "MASTER_ADDR": "127.0.0.1",
                                          "MASTER_PORT": str(port), "PYTHON": sys.executable},
                                     log_path=folder / "pod.log")
@@ -495,12 +497,12 @@ def test_two_local_pods_run_the_entrypoint_to_a_finished_ddp_run(tmp_path, monke
         assert result.ok, "\n".join(result.tail[-40:])
     assert "entrypoint: master 127.0.0.1 is an IP address: no DNS lookup" in logs["ddp-2gpu-1-local"]
     assert "entrypoint: node 1 of 2, master 127.0.0.1:" in logs["ddp-2gpu-1-local"]
-    records = kubecollect.results_from_logs(logs)
+    records = collect.results_from_logs(logs)
     assert sorted(records) == [0, 1]
     assert {(r["strategy"], r["world_size"], r["steps"][-1]) for r in records.values()} == {("ddp", 2, 3)}
     assert records[0]["loss"] == records[1]["loss"]  # DDP: the same all-reduced loss on both nodes
     # ... and the same logs through the collector's command, with a stand-in kubectl serving them
     fake_kubectl(tmp_path, monkeypatch, logs, [(name, i, "2026-01-06T12:00:00Z", "Succeeded")
                                                 for i, name in enumerate(sorted(logs))])
-    assert k8s.main(["collect", "--run", "ddp-2gpu", "--out", str(tmp_path / "collected")]) == 0
-    assert sorted(collect.collect_run(tmp_path / "collected" / "ddp-2gpu", expected_ranks=2)) == [0, 1]
+    assert cli.main(["collect", "--run", "ddp-2gpu", "--out", str(tmp_path / "collected")]) == 0
+    assert sorted(extract.collect_run(tmp_path / "collected" / "ddp-2gpu", expected_ranks=2)) == [0, 1]

@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from distlab.lan import hosts, jobs
-from distlab.lan.balance import rows_per_rank
-from distlab.launch.runner import run
-from distlab.train import StepBatches
+from distlab.batching import StepBatches, rows_per_rank
+from distlab.lan import host_runs, hosts
+from distlab.launch.process import run
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces need root: the localhost fallback path ran")
@@ -135,7 +134,7 @@ def test_uneven_batches_give_the_single_process_gradient(tmp_path):
 def test_balanced_beats_naive_on_a_slow_host(clean):
     from distlab.bench.lan_balance import compare, report  # deferred: the bench pulls in the results schema
 
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     assert placement.kind == "namespaces"
     with placement.running():
         # "sleep": the slowdown relative to the rank's own compute; a cgroup quota no longer binds when
@@ -160,8 +159,8 @@ TRAIN = {"strategy": "ddp", "eval_file": None, "save_model": False, "logging_ste
 @needs_root
 @pytest.mark.slow
 def test_cut_link_fails_within_the_timeout(clean, our_processes):
-    placement = jobs.place(2)
-    log = jobs.RUNS_DIR / "lan" / "t_cut" / "train_log.jsonl"
+    placement = host_runs.place(2)
+    log = host_runs.RUNS_DIR / "lan" / "t_cut" / "train_log.jsonl"
     cut = {}
 
     def unplug():
@@ -169,8 +168,8 @@ def test_cut_link_fails_within_the_timeout(clean, our_processes):
         placement.cluster.cut_link(1)
 
     with placement.running():
-        job = jobs.run_training(placement, "t_cut", {**TRAIN, "max_steps": 400, "collective_timeout_s": 15},
-                                echo=False, timeout_s=240, on_start=jobs.when_step(log, 3, unplug))
+        job = host_runs.run_training(placement, "t_cut", {**TRAIN, "max_steps": 400, "collective_timeout_s": 15},
+                                echo=False, timeout_s=240, on_start=host_runs.when_step(log, 3, unplug))
     assert "at" in cut and not job.ok
     from distlab.lan.diagnose import diagnose, first_error  # deferred: only failures need it
 
@@ -185,9 +184,9 @@ def test_cut_link_fails_within_the_timeout(clean, our_processes):
 @needs_root
 @pytest.mark.slow
 def test_killed_worker_is_restarted_and_resumes(clean):
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
-        job = jobs.run_training(placement, "t_kill", {**TRAIN, "max_steps": 6, "checkpoint_steps": 2},
+        job = host_runs.run_training(placement, "t_kill", {**TRAIN, "max_steps": 6, "checkpoint_steps": 2},
                                 rendezvous="c10d", max_restarts=1, echo=False, timeout_s=300,
                                 env={"DISTLAB_KILL_AT_STEP": "3", "DISTLAB_KILL_RANK": "1"})
     text = "\n".join(job.lines)

@@ -39,7 +39,7 @@ def test_bad_comm_hooks_are_refused_with_one_line():
 def test_compressed_ddp_trains_close_to_fp32_with_the_expected_bytes(tmp_path):
     """One launch, 2 gloo ranks, full fine-tuning: fp32 all-reduce, fp16 timed and untimed, bf16 (gloo on
     CPU sums bfloat16 in this torch), PowerSGD."""
-    from distlab.launch.jobs import launch_sweep
+    from distlab.launch.local import launch_sweep
 
     common = {"strategy": "ddp", "lora": False, "lr": 1e-3, "max_steps": 5, "warmup_steps": 1, "seq_len": 64,
               "micro_batch_size": 2, "logging_steps": 1, "lora_dropout": 0.0, "eval_file": None,

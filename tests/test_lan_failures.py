@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from distlab.lan import jobs
+from distlab.lan import host_runs
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"), pytest.mark.slow]
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces n
 def test_memory_overflow_is_killed_fast_then_the_advice_fits(clean, our_processes):
     from distlab.lan.overflow import overflow_demo, report
 
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
         r = overflow_demo(placement)
     print(report(r))
@@ -35,7 +35,7 @@ def test_memory_overflow_is_killed_fast_then_the_advice_fits(clean, our_processe
 def test_wrong_node_rank_is_refused_fast(clean, our_processes):
     from distlab.lan.noderank import wrong_node_rank_demo
 
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
         r = wrong_node_rank_demo(placement)
     print(r["line"], f"({r['elapsed_s']:.1f} s)")
@@ -48,7 +48,7 @@ def test_wrong_node_rank_is_refused_fast(clean, our_processes):
 def test_measured_pipeline_split_gives_the_slow_host_fewer_layers(clean):
     from distlab.bench.lan_pipeline import compare, report
 
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
         r = compare(placement, 0.5, steps=3, rounds=1, micro=1, name="t_pipe_split")
     print(report(r))

@@ -1,6 +1,6 @@
 """distlab.launch: the spec's validation, the exact scripts it writes (golden files), their
 quoting, that bash and shellcheck accept them, that launch/ is what the generator writes, and real
-runs of generated scripts through distlab.launch.runner (torchrun on CPU, gloo).
+runs of generated scripts through distlab.launch.process (torchrun on CPU, gloo).
 
 Rewrite the golden files after an intended change with
 
@@ -24,7 +24,7 @@ import pytest
 
 from distlab import launch
 from distlab.config import load_config
-from distlab.launch import LaunchSpec, LaunchSpecError, runner, seeds
+from distlab.launch import LaunchSpec, LaunchSpecError, catalog, process
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -335,13 +335,13 @@ def test_quoted_values_reach_the_program_verbatim(tmp_path):
 # ------------------------------------------------------------------ launch/ and the seed matrix
 
 def test_checked_in_launch_folder_matches_the_writer():
-    problems = launch.check_dir(LAUNCH_DIR, launch.seed_files())
+    problems = launch.check_dir(LAUNCH_DIR, launch.launch_files())
     assert problems == [], "launch/ is stale; run `python -m distlab.launch regenerate`:\n" + "\n".join(problems)
 
 
 def test_check_reports_every_kind_of_difference_and_regenerate_repairs(tmp_path, capsys):
     root = tmp_path / "launch"
-    files = launch.seed_files()
+    files = launch.launch_files()
     launch.regenerate(root, files)
     assert launch.main(["check", "--dir", str(root)]) == 0
     (root / "run_4gpu.sh").write_text((root / "run_4gpu.sh").read_text().replace("150", "151"))
@@ -361,23 +361,23 @@ def test_check_reports_every_kind_of_difference_and_regenerate_repairs(tmp_path,
 
 
 def test_seed_matrix_follows_the_enterprise_and_lan_seeds():
-    rows = {row.name: row for row in launch.SEED_MATRIX}
+    rows = {row.name: row for row in launch.DEMO_MATRIX}
     assert {n: (r.nnodes, r.gpus_per_node, r.max_steps) for n, r in rows.items()} == {
         "run_1gpu": (1, 1, 80), "run_4gpu": (1, 4, 150), "run_2node_8gpu": (2, 4, 200)}
-    files = launch.seed_files()  # launch/k8s/ is tested in tests/test_kubernetes.py, launch/slurm/ in test_slurm.py
+    files = launch.launch_files()  # launch/k8s/ is tested in tests/test_kubernetes.py, launch/slurm/ in test_slurm.py
     assert sorted(f for f in files if not f.startswith(("k8s/", "slurm/"))) == [
         "README.md", "run_1gpu.sh", "run_2node_8gpu/README.md", "run_2node_8gpu/node0.sh", "run_2node_8gpu/node1.sh",
         "run_4gpu.sh"]
     for name, row in rows.items():
-        spec = launch.seed_spec(row)
+        spec = launch.demo_spec(row)
         assert spec.args[:6] == ["--config", "lib/distlab/configs/enterprise_7b_lora.yaml", "--set", "strategy=ddp",
                                  "--set", f"max_steps={row.max_steps}"]
         assert spec.log_dir.startswith("logs/")
         assert f"[`{name}" in files["README.md"]
-    # The README names the file that holds SEED_MATRIX: it must be that file.
-    assert "SEED_MATRIX" in (REPO_ROOT / seeds.GENERATOR_FILE).read_text()
-    assert f"`{seeds.GENERATOR_FILE}`" in files["README.md"]
-    two = launch.seed_spec(rows["run_2node_8gpu"])
+    # The README names the file that holds DEMO_MATRIX: it must be that file.
+    assert "DEMO_MATRIX" in (REPO_ROOT / catalog.GENERATOR_FILE).read_text()
+    assert f"`{catalog.GENERATOR_FILE}`" in files["README.md"]
+    two = launch.demo_spec(rows["run_2node_8gpu"])
     assert (two.rendezvous, two.master_addr, two.master_port) == ("static", "192.168.1.100", 29500)
     assert two.env["NCCL_SOCKET_IFNAME"] == "eth0" and two.env["NCCL_IB_DISABLE"] == "1"
     assert "cd -- \"$(dirname -- \"${BASH_SOURCE[0]}\")\"/../..\n" in files["run_2node_8gpu/node0.sh"]
@@ -404,7 +404,7 @@ def test_generated_script_runs_the_fingerprint_job(tmp_path):
                       description="software fingerprint of 2 CPU ranks")
     script = launch.write_scripts(spec, tmp_path, "fingerprint")[0]
     lines: list[str] = []
-    result = runner.run(["bash", str(script)], timeout_s=180, cwd=tmp_path, echo=lines.append,
+    result = process.run(["bash", str(script)], timeout_s=180, cwd=tmp_path, echo=lines.append,
                         env={"PYTHON": sys.executable}, log_path=tmp_path / "run.log")
     assert result.ok
     report = json.loads((tmp_path / "fp.json").read_text())
@@ -434,7 +434,7 @@ def test_hard_limit_stops_torchrun_and_its_ranks(tmp_path):
             ranks.append(psutil.Process(int(line.rsplit(" ", 1)[1])))
 
     try:
-        result = runner.run(["bash", str(script)], timeout_s=60, cwd=tmp_path, echo=watch, check=False,
+        result = process.run(["bash", str(script)], timeout_s=60, cwd=tmp_path, echo=watch, check=False,
                             env={"PYTHON": sys.executable})
         assert result.returncode == 124 and not result.timed_out  # the script's limit, not the runner's
         assert len(ranks) == 2

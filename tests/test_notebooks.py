@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distlab import paths
-from distlab.publish import book
+from distlab.publish import book_build, mathjax, site_check
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +51,14 @@ def test_figures_carry_provenance(executed):
 
 def test_book_builds_and_every_page_loads_in_a_browser(executed):
     root, out, figures, work = executed
-    chromium, why = book.ensure_chromium()
+    chromium, why = site_check.ensure_chromium()
     if chromium is None:
         pytest.fail(f"headless chromium is required for the site check: {why}")
     # Pages with maths must render offline: MathJax comes from npm once (make book does the same).
-    assert book.find_mathjax() or book.fetch_mathjax(), "could not install MathJax from npm"
-    built = book.build(paths.BOOK_DIR, root / "_build", figures_dir=figures, notebooks_dir=out,
+    assert mathjax.find_mathjax() or mathjax.fetch_mathjax(), "could not install MathJax from npm"
+    built = book_build.build(paths.BOOK_DIR, root / "_build", figures_dir=figures, notebooks_dir=out,
                        summary_path=work / "summary.json")
-    report = book.check_site(built.html_dir, chromium=chromium)
+    report = site_check.check_site(built.html_dir, chromium=chromium)
     assert report.ok, report.summary()
     names = {Path(p).name for p in report.pages}
     for nb in out.glob("*.ipynb"):

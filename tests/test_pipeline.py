@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distlab.launch.jobs import launch_training
+from distlab.launch.local import launch_training
+from distlab.layer_split import split_layers
 from distlab.measure.bubble import (
     cost_bubble,
     handoff,
@@ -23,7 +24,7 @@ from distlab.measure.bubble import (
     transfers,
 )
 from distlab.metrics import read_log
-from distlab.strategies.split import StageModule, split_layers, stack_microbatches
+from distlab.strategies.split import StageModule, stack_microbatches
 
 COMMON = {"max_steps": 3, "micro_batch_size": 2, "grad_accum": 2, "seq_len": 128, "logging_steps": 1,
           "lora_dropout": 0.0, "eval_at_start": False, "warmup_steps": 1}

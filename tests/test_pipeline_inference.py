@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from distlab.inference.batches import micro_batches, read_prompts
-from distlab.inference.checkpoint import checkpoint_bytes, random_checkpoint
 from distlab.inference.engine import Pipeline, Sampling
 from distlab.inference.stage import InferenceStage
-from distlab.launch import runner
+from distlab.inference.stage_weights import checkpoint_bytes, random_checkpoint
+from distlab.launch import process
+from distlab.layer_split import split_layers
 from distlab.models import load_model, load_tokenizer
 from distlab.paths import DEMO_PROMPTS
-from distlab.strategies.split import split_layers
 
 NEW_TOKENS = 6
 SIZES = (1, 2, 4)
@@ -55,7 +55,7 @@ def reference(model, tokenizer, batch_size: int) -> dict[str, list[int]]:
 def launch(nproc: int, out_dir: Path, *args: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "distlab.inference", "--out-dir", str(out_dir), "--max-new-tokens", str(NEW_TOKENS), *args]
-    return runner.run(cmd, timeout_s=240, log_path=out_dir / "launch.log", echo=False)
+    return process.run(cmd, timeout_s=240, log_path=out_dir / "launch.log", echo=False)
 
 
 def completions(path: Path) -> dict[str, list[int]]:

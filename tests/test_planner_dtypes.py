@@ -13,9 +13,9 @@ import pytest
 
 from distlab.config import LORA_TARGETS, TrainConfig
 from distlab.device import DTYPE_ALIASES, choose_device
-from distlab.launch.jobs import launch_sweep
+from distlab.launch.local import launch_sweep
 from distlab.planning import memory, plan, zero_paper
-from distlab.results import collect
+from distlab.results import extract
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def sweep_results(console, world: int) -> dict[str, dict[int, dict]]:
                 chunks.append([])
     out = {}
     for i in range(len(streams.get(0, [[]])) - 1):
-        res = collect.extract_results("\n".join(x for r in range(world) for x in streams[r][i]) + "\n", world)
+        res = extract.extract_results("\n".join(x for r in range(world) for x in streams[r][i]) + "\n", world)
         out[res[0]["run"]] = res
     return out
 

@@ -3,7 +3,7 @@ changed input does."""
 
 import subprocess
 
-from distlab.publish.provenance import OUTPUT_PATHS, git_commit
+from distlab.provenance import OUTPUT_PATHS, git_commit
 
 
 def _git(root, *args):
@@ -36,7 +36,7 @@ def test_the_figure_stamp_sits_below_everything_drawn(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.figure import Figure
 
-    from distlab.publish.provenance import save_figure
+    from distlab.provenance import save_figure
 
     stamp = {"device": "CPU", "model": "m", "world_size": 1, "commit": "abc1234", "date": "2026-01-01 00:00 UTC"}
     pyplot_fig, _ = plt.subplots()

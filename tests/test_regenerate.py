@@ -2,7 +2,7 @@
 
 The fixture notebooks (tests/fixtures/notebooks) start long-lived children before failing or
 hanging: one with subprocess.Popen (it stays in the kernel's process group) and one through
-distlab.launch.runner from a background thread (a session of its own, so killing the kernel's group does
+distlab.launch.process from a background thread (a session of its own, so killing the kernel's group does
 not reach it). Both must be gone once regenerate returns.
 """
 

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from distlab.bench import ddp_scaling
-from distlab.launch import jobs
-from distlab.measure import bubble
+from distlab.chapters import ch04
+from distlab.launch import local
 from distlab.metrics import StepLog
-from distlab.results import collect, report, schema
+from distlab.results import benchmark_report, scaling_table, schema
 
 W = schema.WARMUP_STEPS
 MIB = 2**20
@@ -155,31 +155,31 @@ def test_schema_tables_are_consistent():
 def test_chapter_02_scaling_table_uses_the_schema(tmp_path):
     runs = {k: write_logs(tmp_path / f"ws{k}", {r: [step(n, 2.0 / k, world=k) for n in range(1, W + 3)]
                                                  for r in range(k)}) for k in (1, 2)}
-    df = report.scaling_summary(runs)
+    df = scaling_table.scaling_summary(runs)
     assert schema.unknown_columns(df.columns, "02") == []
-    assert list(df.columns) == report.SCALING_COLUMNS
+    assert list(df.columns) == scaling_table.SCALING_COLUMNS
     assert df.set_index("world_size").loc[2, "scaling_efficiency"] == pytest.approx(1.0)
     stamp = {"device": "test", "model": "tiny", "world_size": "1/2", "commit": "x", "date": "today"}
-    saved = report.save_scaling(df, tmp_path / "figures", stamp)
+    saved = scaling_table.save_scaling(df, tmp_path / "figures", stamp)
     assert [p.name for p in saved] == ["scaling_summary.csv", "scaling_summary.md", "scaling_plot.png",
                                        "scaling_comm_compute.png"]
     header = (tmp_path / "figures" / "scaling_summary.csv").read_text().splitlines()[0]
-    assert header.split(",") == report.SCALING_COLUMNS
+    assert header.split(",") == scaling_table.SCALING_COLUMNS
     with pytest.raises(ValueError, match="1-rank baseline"):
-        report.scaling_summary({2: runs[2]})
+        scaling_table.scaling_summary({2: runs[2]})
 
 
 def test_chapter_03_metrics_and_report_use_the_schema():
-    assert schema.unknown_columns(collect.METRICS, "03") == []
-    assert schema.unknown_columns(collect.REPORT_COLUMNS, "03") == []
-    assert all(key in schema.COLUMNS for key in collect.PLOTS)
+    assert schema.unknown_columns(benchmark_report.METRICS, "03") == []
+    assert schema.unknown_columns(benchmark_report.REPORT_COLUMNS, "03") == []
+    assert all(key in schema.COLUMNS for key in benchmark_report.PLOTS)
 
 
 def test_chapter_04_pipeline_table_uses_the_schema(tmp_path):
     steps = {r: [step(n, 1.0, bubble_fraction=0.5 if n <= W else 0.25) for n in range(1, W + 3)] for r in range(2)}
     job = SimpleNamespace(log=write_logs(tmp_path / "pp", steps))
-    row = bubble.table_row(job, strategy="ds_pipeline", micro=2, ga=4, ckpt=False, dtype="fp32", seq_len=256,
-                           data_parallel=1)
+    row = ch04.table_row(job, strategy="ds_pipeline", micro=2, ga=4, ckpt=False, dtype="fp32", seq_len=256,
+                         data_parallel=1)
     assert schema.unknown_columns(row, "04") == []
     assert row["T_eff"] == 256 * 2 * 4 and row["bubble_fraction"] == 0.25 and row["steps_averaged"] == 2
     assert row["tokens_per_s"] == pytest.approx(1000.0) and row["comm_share"] == pytest.approx(0.1)
@@ -196,7 +196,7 @@ def test_ddp_benchmark_prints_the_schema_numbers(tmp_path, monkeypatch, capsys):
         log = write_logs(Path(runs_dir) / name, {r: steps for r in range(k)})
         return SimpleNamespace(log=log, result=SimpleNamespace(elapsed_s=1.0))
 
-    monkeypatch.setattr(jobs, "launch_training", fake_launch)
+    monkeypatch.setattr(local, "launch_training", fake_launch)
     assert ddp_scaling.main(["--steps", str(W + 2), "--rounds", "3"]) == 0
     assert order == [1, 2, 1, 2, 1, 2]  # alternating rounds
     out = capsys.readouterr().out
@@ -207,7 +207,7 @@ def test_ddp_benchmark_prints_the_schema_numbers(tmp_path, monkeypatch, capsys):
 
 
 def test_the_allreduce_model_charges_latency_per_call_and_bandwidth_per_byte():
-    m = report.allreduce_model(calls=3, nbytes=2**20, world_size=2, latency_s=1e-3, busbw_bytes_per_s=1e9)
+    m = scaling_table.allreduce_model(calls=3, nbytes=2**20, world_size=2, latency_s=1e-3, busbw_bytes_per_s=1e9)
     assert m["latency_term_s"] == pytest.approx(3e-3)
     assert m["bandwidth_term_s"] == pytest.approx(2**20 / 1e9)  # 2(k-1)/k = 1 at two ranks
     assert m["predicted_s"] == pytest.approx(3e-3 + 2**20 / 1e9)

@@ -1,4 +1,4 @@
-"""distlab.launch.runner's guarantees, proven with real processes (bash, sleep, python, torchrun on CPU).
+"""distlab.launch.process's guarantees, proven with real processes (bash, sleep, python, torchrun on CPU).
 
 Every test records the processes that the job started (they print "PID <n>" lines, read through
 the echo callback while the job runs) and checks with psutil, by pid and start time, that none
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab.launch import runner
+from distlab.launch import process
 
 PID_RE = re.compile(r"PID (\d+)")
 
@@ -105,7 +105,7 @@ def test_output_streams_line_by_line_in_order_and_to_the_log(tmp_path):
 
     rec = Recorder(on_line=check_log)
     cmd = ["bash", "-c", "for i in 1 2 3 4 5; do echo line $i; sleep 0.25; done; echo oops >&2"]
-    result = runner.run(cmd, timeout_s=30, log_path=log, echo=rec)
+    result = process.run(cmd, timeout_s=30, log_path=log, echo=rec)
     expected = [f"line {i}" for i in range(1, 6)] + ["oops"]
     assert result.ok and result.returncode == 0
     assert rec.lines == expected  # stderr is merged, order is kept
@@ -117,23 +117,23 @@ def test_output_streams_line_by_line_in_order_and_to_the_log(tmp_path):
 
 
 def test_failure_raises_with_the_last_output(tmp_path):
-    with pytest.raises(runner.RunFailed) as err:
-        runner.run(["bash", "-c", "echo about to fail; exit 7"], timeout_s=30, echo=False,
+    with pytest.raises(process.RunFailed) as err:
+        process.run(["bash", "-c", "echo about to fail; exit 7"], timeout_s=30, echo=False,
                    log_path=tmp_path / "fail.log")
     assert err.value.result.returncode == 7 and not err.value.result.timed_out
     assert "exited with code 7" in str(err.value) and "about to fail" in str(err.value)
     assert str(tmp_path / "fail.log") in str(err.value)
-    result = runner.run(["bash", "-c", "exit 7"], timeout_s=30, echo=False, check=False)
+    result = process.run(["bash", "-c", "exit 7"], timeout_s=30, echo=False, check=False)
     assert result.returncode == 7 and not result.ok
 
 
 def test_timeout_kills_grandchildren_and_other_sessions(tmp_path, monkeypatch):
-    monkeypatch.setattr(runner, "KILL_GRACE_S", 1.0)  # the grandchild ignores SIGTERM: SIGKILL after 1 s
+    monkeypatch.setattr(process, "KILL_GRACE_S", 1.0)  # the grandchild ignores SIGTERM: SIGKILL after 1 s
     rec = Recorder()
     t0 = time.monotonic()
     try:
-        with pytest.raises(runner.RunFailed) as err:
-            runner.run(tree_script(tmp_path), timeout_s=3, echo=rec)
+        with pytest.raises(process.RunFailed) as err:
+            process.run(tree_script(tmp_path), timeout_s=3, echo=rec)
         elapsed = time.monotonic() - t0
         assert err.value.result.timed_out
         assert re.search(r"timed out after \d+s and was killed as a group", str(err.value))
@@ -148,10 +148,10 @@ def test_timeout_returns_promptly_when_the_job_stops_on_sigterm():
     """The limit is hard: a job that dies on SIGTERM must not cost the whole grace period too
     (the job's leader stays a zombie until reaped, and must not count as still running)."""
     t0 = time.monotonic()
-    with pytest.raises(runner.RunFailed) as err:
-        runner.run(["bash", "-c", "sleep 300 & sleep 300"], timeout_s=1, echo=False)
+    with pytest.raises(process.RunFailed) as err:
+        process.run(["bash", "-c", "sleep 300 & sleep 300"], timeout_s=1, echo=False)
     assert err.value.result.timed_out
-    assert time.monotonic() - t0 < 1 + runner.KILL_GRACE_S - 2
+    assert time.monotonic() - t0 < 1 + process.KILL_GRACE_S - 2
 
 
 def test_keyboard_interrupt_kills_the_group(tmp_path):
@@ -163,11 +163,11 @@ def test_keyboard_interrupt_kills_the_group(tmp_path):
     t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            runner.run(tree_script(tmp_path), timeout_s=60, echo=rec)
+            process.run(tree_script(tmp_path), timeout_s=60, echo=rec)
         assert len(rec.procs) == 5
         assert survivors(rec.procs) == []
         # Only the grandchild that ignores SIGTERM may use the grace period.
-        assert time.monotonic() - t0 < runner.KILL_GRACE_S + 4
+        assert time.monotonic() - t0 < process.KILL_GRACE_S + 4
     finally:
         kill_leftovers(rec.procs)
 
@@ -178,7 +178,7 @@ def test_orphans_of_a_leader_that_exits_are_killed(tmp_path):
     rec = Recorder()
     script = "setsid sleep 300 & echo \"daemon PID $!\"; sleep 1; echo leaving"
     try:
-        result = runner.run(["bash", "-c", script], timeout_s=30, echo=rec)
+        result = process.run(["bash", "-c", script], timeout_s=30, echo=rec)
         assert result.ok and len(rec.procs) == 1
         assert survivors(rec.procs) == []
     finally:
@@ -210,16 +210,16 @@ WORKER = textwrap.dedent("""
 def torchrun(tmp_path: Path, mode: str, rec: Recorder, timeout_s: float = 60):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    cmd = runner.python_module_cmd("torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = process.python_module_cmd("torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                                    "--tee", "3", "--log-dir", str(tmp_path / "torchrun_logs"), str(worker))
-    return runner.run(cmd, timeout_s=timeout_s, echo=rec, log_path=tmp_path / "job.log",
+    return process.run(cmd, timeout_s=timeout_s, echo=rec, log_path=tmp_path / "job.log",
                       env={"OMP_NUM_THREADS": "1", "WORKER_MODE": mode})
 
 
 def test_torchrun_rank_exit_code_is_reported_with_its_last_lines(tmp_path):
     rec = Recorder()
     try:
-        with pytest.raises(runner.RunFailed) as err:
+        with pytest.raises(process.RunFailed) as err:
             torchrun(tmp_path, "exit3", rec)
         msg = str(err.value)
         # This torch tees each rank's lines as "[default<local rank>]:..."; the runner keys on it.
@@ -238,7 +238,7 @@ def test_torchrun_rank_exit_code_is_reported_with_its_last_lines(tmp_path):
 def test_torchrun_rank_killed_by_a_signal_is_reported_with_it(tmp_path):
     rec = Recorder()
     try:
-        with pytest.raises(runner.RunFailed) as err:
+        with pytest.raises(process.RunFailed) as err:
             torchrun(tmp_path, "sigkill", rec)
         assert err.value.result.failed_ranks.get(1) == -9
         assert "rank 1 failed with exit code -9 (killed by signal 9)" in str(err.value)
@@ -252,7 +252,7 @@ def test_ranks_of_a_killed_torchrun_agent_do_not_survive(tmp_path):
     kill -9), its ranks are orphans that would hold their GPU memory forever."""
     rec = Recorder()
     try:
-        with pytest.raises(runner.RunFailed) as err:
+        with pytest.raises(process.RunFailed) as err:
             torchrun(tmp_path, "kill_agent", rec)
         assert err.value.result.returncode == -9
         assert len(rec.procs) == 2

@@ -1,4 +1,4 @@
-"""Slurm: the job scripts distlab.launch.slurm writes (golden files, validation, bash -n, shellcheck,
+"""Slurm: the job scripts distlab.launch.sbatch writes (golden files, validation, bash -n, shellcheck,
 launch/slurm/ up to date), and a real one-machine cluster (distlab.slurm): up/down idempotent and
 leaving nothing running, a 2-node sbatch job of 2-stage pipeline inference end to end with its
 completion records read back through sacct, a stage killed mid-generation failing the job in time
@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab.launch import check_dir, seed_files
-from distlab.launch.slurm import Container, SlurmSpec, example_specs, render_files
+from distlab.launch import check_dir, launch_files
+from distlab.launch.sbatch import Container, SlurmSpec, example_specs, render_files
 from distlab.launch.spec import LaunchSpecError
 from distlab.paths import LAUNCH_DIR
 
@@ -96,7 +96,7 @@ def test_invalid_specs_name_the_field(field, kwargs):
 
 
 def test_launch_slurm_is_what_the_generator_writes():
-    files = {k[len("slurm/"):]: v for k, v in seed_files().items() if k.startswith("slurm/")}
+    files = {k[len("slurm/"):]: v for k, v in launch_files().items() if k.startswith("slurm/")}
     assert {"README.md", "pipeline-2node-cpu/submit.sbatch", "pipeline-2node-cpu/run.sh"} <= set(files)
     assert check_dir(LAUNCH_DIR / "slurm", files) == []
 
@@ -123,9 +123,9 @@ def cluster(tmp_path_factory):
 
 def _job(cluster, tmp_path, name, *args, model=None, time="00:02:00"):
     # deferred: these pull in transformers via the checkpoint writer
-    from distlab.inference.checkpoint import random_checkpoint
-    from distlab.launch.slurm import write_files
-    from distlab.slurm import jobs
+    from distlab.inference.stage_weights import random_checkpoint
+    from distlab.launch.sbatch import write_files
+    from distlab.slurm import submit
 
     model = model or random_checkpoint("test-tiny")
     spec = SlurmSpec(name, args=["--max-new-tokens", "6", "--batch-size", "2", *args], model_dir=str(model),
@@ -133,9 +133,9 @@ def _job(cluster, tmp_path, name, *args, model=None, time="00:02:00"):
                      script_dir=str(tmp_path / "job"))
     write_files(spec, "/")
     (tmp_path / "logs").mkdir(exist_ok=True)
-    job_id = jobs.submit(cluster, tmp_path / "job" / "submit.sbatch", env={"PYTHON": sys.executable},
+    job_id = submit.submit(cluster, tmp_path / "job" / "submit.sbatch", env={"PYTHON": sys.executable},
                          cwd=Path(__file__).resolve().parents[1])
-    return job_id, jobs.wait(cluster, job_id, timeout_s=150)
+    return job_id, submit.wait(cluster, job_id, timeout_s=150)
 
 
 @needs_slurm
@@ -150,7 +150,7 @@ def test_up_is_idempotent_and_status_counts_daemons(cluster):
 @needs_slurm
 @pytest.mark.slow
 def test_two_node_pipeline_job_end_to_end(cluster, tmp_path):
-    from distlab.slurm import jobs  # deferred: with the cluster tests only
+    from distlab.slurm import submit  # deferred: with the cluster tests only
 
     job_id, rec = _job(cluster, tmp_path, "pi-e2e")
     assert rec["State"] == "COMPLETED" and rec["NNodes"] == "2" and rec["ExitCode"] == "0:0", rec
@@ -163,20 +163,20 @@ def test_two_node_pipeline_job_end_to_end(cluster, tmp_path):
     logs = tmp_path / "logs"
     assert "n1" in (logs / f"pi-e2e-{job_id}-rank0.log").read_text()
     assert "n2" in (logs / f"pi-e2e-{job_id}-rank1.log").read_text()
-    assert "COMPLETED" in jobs.sacct_table(cluster, [job_id]) and jobs.queue(cluster) == []
+    assert "COMPLETED" in submit.sacct_table(cluster, [job_id]) and submit.queue(cluster) == []
 
 
 @needs_slurm
 @pytest.mark.slow
 def test_killed_stage_fails_the_job_naming_the_rank(cluster, tmp_path):
-    from distlab.slurm import jobs  # deferred: with the cluster tests only
+    from distlab.slurm import submit  # deferred: with the cluster tests only
 
     job_id, rec = _job(cluster, tmp_path, "pi-kill", "--kill-rank", "1", "--kill-at-step", "3", time="00:01:00")
     assert rec["State"] == "FAILED", rec
     assert rec["ElapsedRaw"] < 60
     out = (tmp_path / "logs" / f"pi-kill-{job_id}.out").read_text()
     assert "task 1: Killed" in out, out
-    assert jobs.queue(cluster) == []
+    assert submit.queue(cluster) == []
     # no task of the job is left: only the cluster's own daemons
     assert {p.name() for p in cluster.processes()} <= {"munged", "slurmctld", "slurmscriptd", "slurmd"}
 

@@ -1,7 +1,9 @@
-"""The package's shape, as a reader relies on it: no import cycles, a reason for every deferred import,
+"""The package's shape, as a reader relies on it: layers that imports only go down through, no import
+cycles, a reason for every deferred import, package docstrings that name every module they hold, and
 strategy files that read in one sitting and hold only their parallelism."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,21 @@ STRATEGY_FILES = ("single", "ddp", "fsdp", "zero", "pipeline", "ds_pipeline")
 SHARED_STRATEGY_MODULES = {"distlab.strategies", "distlab.strategies.base", "distlab.strategies.split",
                            "distlab.strategies.staged", "distlab.strategies.deepspeed_runtime"}
 MAX_STRATEGY_LINES = 350
+
+# The layers, bottom up: a module may import its own layer and those below, never one above. A top-level
+# module or package is named once; every module inside a package is in the package's layer.
+LAYERS = (
+    # core: what a training run is made of; torch-free where it can be (config, paths, provenance, ...)
+    {"distlab", "attention", "batching", "checkpoint", "cli", "compat", "config", "data", "device", "dropout",
+     "faults", "generate", "keyfacts", "layer_split", "metrics", "models", "paths", "prepare", "provenance"},
+    {"measure", "results"},  # watching a run from outside, and the one results vocabulary
+    {"strategies"},  # how the loop is distributed
+    {"train", "planning", "launch"},  # the loop; memory before running; writing and running launches
+    {"workers", "lan", "slurm", "inference"},  # the chapter features built on those
+    # the top: each chapter's plumbing, benchmarks, the user's commands (and their documented aliases), the book
+    {"chapters", "bench", "commands", "publish", "infer", "scaling", "report", "matrix", "accept", "monitor"},
+)
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
 def module_name(path: Path) -> str:
@@ -68,6 +85,40 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def _all_imports(tree: ast.Module):
+    """Every import statement, deferred ones included (a deferred import still depends), except those under
+    TYPE_CHECKING, which never run."""
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def unit(module: str) -> str:
+    """The top-level module or package a module belongs to ("distlab" for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_violations(graph: dict[str, set[str]], layer_of: dict[str, int]) -> list[str]:
+    """`a -> b` for every import of a module in a higher layer; a module in no layer is a violation too."""
+    out = []
+    for name, deps in sorted(graph.items()):
+        if unit(name) not in layer_of:
+            out.append(f"{name}: {unit(name)!r} is in no layer (add it to LAYERS)")
+            continue
+        out += [f"{name} (layer {layer_of[unit(name)]}) -> {dep} (layer {layer_of[unit(dep)]})"
+                for dep in sorted(deps) if layer_of.get(unit(dep), -1) > layer_of[unit(name)]]
+    return out
+
+
+def full_import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        graph[name] = {m for node in _all_imports(tree) for m in _imported(node, name)} - {name}
+    return graph
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     path: list[str] = []
@@ -97,6 +148,43 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_imports_only_go_down_the_layers():
+    violations = layer_violations(full_import_graph(), LAYER_OF)
+    assert violations == [], "imports that go up a layer:\n" + "\n".join(violations)
+
+
+def test_the_layer_check_finds_an_upward_import_and_an_unplaced_module():
+    layer_of = {"distlab": 0, "config": 0, "train": 3, "lan": 4}
+    graph = {"distlab.config": {"distlab.lan.hosts"}, "distlab.train": {"distlab.config"}, "distlab.new": set()}
+    assert layer_violations(graph, layer_of) == ["distlab.config (layer 0) -> distlab.lan.hosts (layer 4)",
+                                                 "distlab.new: 'new' is in no layer (add it to LAYERS)"]
+
+
+def package_docstring_omissions(packages: dict[str, Path]) -> list[str]:
+    """`package: module` for every module or subpackage a package holds that its docstring does not name."""
+    out = []
+    for name, init in sorted(packages.items()):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        held = sorted({p.stem for p in init.parent.glob("*.py")} - {"__init__", "__main__"}
+                      | {p.parent.name for p in init.parent.glob("*/__init__.py")})
+        out += [f"{name}: {m}" for m in held if not re.search(rf"(?<![\w.]){re.escape(m)}\b", doc)]
+    return out
+
+
+def test_every_package_docstring_names_every_module_it_holds():
+    packages = {module_name(p): p for p in PACKAGE.rglob("__init__.py")}
+    omissions = package_docstring_omissions(packages)
+    assert omissions == [], "modules their package's docstring does not name:\n" + "\n".join(omissions)
+
+
+def test_the_docstring_check_finds_an_unnamed_module(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text('"""Holds alpha: the first."""\n')
+    (tmp_path / "pkg" / "alpha.py").write_text("")
+    (tmp_path / "pkg" / "beta.py").write_text("")
+    assert package_docstring_omissions({"pkg": tmp_path / "pkg" / "__init__.py"}) == ["pkg: beta"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+from distlab.batching import StepBatches
 from distlab.config import TrainConfig, load_config
 from distlab.metrics import read_log
-from distlab.train import StepBatches, train
+from distlab.train import train
 
 QUICK = dict(max_steps=8, seq_len=256, micro_batch_size=2, logging_steps=2, lr=1e-2, warmup_steps=2,
              num_threads=1, progress=False)

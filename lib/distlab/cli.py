@@ -49,7 +49,7 @@ def run_main(main: Callable[..., int | None], argv: Sequence[str] | None = None,
     """sys.exit(main(argv)), with user errors as one line on stderr and exit status 2.
 
     `sigterm_exits`: a SIGTERM (timeout, a scheduler) raises SystemExit(143) in the main thread, so a command
-    that launches jobs through distlab.launch.runner kills their process groups on the way out instead of
+    that launches jobs through distlab.launch.process kills their process groups on the way out instead of
     leaving them running (the runner cleans up on any exception)."""
     if sigterm_exits:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -12,7 +12,22 @@ from typing import Any
 import yaml
 
 from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
-from distlab.strategies import STRATEGY_NAMES
+
+# The one list of strategies (distlab.strategies maps each name to its class; the launcher and the
+# planner read the names here, without importing torch).
+STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "pipeline", "ds_pipeline")
+PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
+
+# DeepSpeed settings distlab's DeepSpeed config uses, which the memory planner plans with too.
+ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
+
+
+def zero_bucket_elements(n_trained: int) -> int:
+    """Elements per DeepSpeed reduce/all-gather bucket in distlab's config: DeepSpeed's default 5e8,
+    or the trained weight count when that is smaller (a bucket never holds more than that, and
+    DeepSpeed allocates 5e8 elements, 2 GB in fp32, even for a tiny model). Even, as it requires."""
+    n = int(min(5e8, max(int(n_trained), 2)))
+    return n + n % 2
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

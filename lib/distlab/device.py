@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from distlab.paths import CACHE_DIR
-from distlab.publish.provenance import device_description
+from distlab.provenance import device_description
 
 # Dense (no sparsity) peak FLOP/s from vendor data sheets, matched by substring of the device name.
 # Only used when the name matches; anything else is measured with a matmul benchmark.

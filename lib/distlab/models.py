@@ -8,7 +8,8 @@ result speaks helpdesk English and knows Globex's systems and policies, so fine-
 has something measurable to teach: Acme's facts. Written with save_pretrained, read back with
 from_pretrained, cached under build/models/; nothing is downloaded. "distlab-tiny-random" is the same
 shape with seeded random weights (throughput runs), and real users pass e.g.
-model="Qwen/Qwen2.5-0.5B-Instruct" instead.
+model="Qwen/Qwen2.5-0.5B-Instruct" instead. `balanced_bench_model` builds that shape with a wider FFN
+(random weights, once) for the measurements that need pipeline stages of equal work (chapters 04, 05).
 """
 
 from __future__ import annotations
@@ -284,6 +285,38 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(dtype)
     return AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype,
                                                 attn_implementation=attn_implementation)
+
+
+def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
+    """A folder with a random-init model of the tiny Qwen2's shape (same tokenizer, vocabulary,
+    hidden size), but an FFN `intermediate_size` wide, built once under build/models.
+
+    Why: only the last stage runs the final norm, the LM head and the loss (and it computes the
+    input gradient it sends back, which the first stage skips). With the tiny model's FFN (688) that
+    is about half a decoder layer, so a [2, 2] split is ~20% unbalanced and the lighter stage idles
+    far more than (p-1)/(m+p-1) predicts. With a 4096-wide FFN the last stage is measured ~8% slower
+    per micro-batch on a 2-core CPU (two ranks, one thread each); the bubble then mostly measures the
+    schedule, and the remaining imbalance shows as the lighter stage idling a few hundredths more."""
+
+    folder = MODEL_CACHE / f"pipeline-bench-ffn{intermediate_size}-l{layers}"
+    stamp = folder / "distlab_build.json"
+    spec = {"intermediate_size": intermediate_size, "num_hidden_layers": layers, "recipe": 1}
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return str(folder)
+    from transformers import Qwen2ForCausalLM  # deferred: transformers is slow to import
+
+    tokenizer = load_tokenizer(None)
+    shape = {**TINY_QWEN2, "intermediate_size": intermediate_size, "num_hidden_layers": layers}
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen2_config(tokenizer, **shape))
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "distlab_build.json").write_text(json.dumps(spec))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return str(folder)
 
 
 def count_parameters(model) -> tuple[int, int]:

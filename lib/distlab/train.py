@@ -21,78 +21,20 @@ from typing import Any
 
 import torch
 import yaml
-from torch.utils.data import DistributedSampler
 from tqdm import tqdm
 
-from distlab import checkpoint, faults
+from distlab import checkpoint, faults, provenance
+from distlab.batching import StepBatches
 from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
 from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
-from distlab.lan import slowdown
-from distlab.lan.balance import rows_per_rank
 from distlab.measure.meter import Meter
 from distlab.metrics import StepLog, train_flops_per_token
 from distlab.models import count_parameters
 from distlab.prepare import prepare_run
-from distlab.publish import provenance
-from distlab.results.collect import emit_rank_result
+from distlab.results.recorder import emit_rank_result
 from distlab.strategies import make_strategy
 from distlab.strategies.base import Strategy
-
-
-class StepBatches:
-    """Which rows each rank uses at each optimizer step, with DistributedSampler underneath.
-
-    At step k the global batch is the k-th run of micro x accumulation x world rows of the
-    epoch's seeded permutation, whatever the world size, and rank r takes every world-th one
-    (DistributedSampler's rule). Epochs end at the last full step (the remainder is counted, not
-    silently mixed across epochs). The position is a small state dict for checkpoints."""
-
-    def __init__(self, n_items: int, micro: int, accum: int, world: int, rank: int, seed: int,
-                 shares: list[float] | None = None):
-        per_step = micro * accum * world
-        if n_items < per_step:
-            raise ValueError(f"{n_items} training items cannot fill one global batch of {per_step} "
-                             f"(micro {micro} x accumulation {accum} x world {world})")
-        self.micro, self.accum = micro, accum
-        # Uneven data parallelism (chapter 05): the same global batch, cut into contiguous slices by
-        # `shares`; every rank walks the whole permutation (a one-replica sampler) and takes its slice.
-        self.span, self.slice = micro * accum, None
-        if shares:
-            counts = rows_per_rank(per_step, shares, world, minimum=accum)
-            self.span, self.slice = per_step, (sum(counts[:rank]), sum(counts[:rank + 1]))
-            world, rank = 1, 0
-        self.sampler = DistributedSampler(range(n_items), num_replicas=world, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // self.span
-        self.dropped_per_epoch = n_items - self.steps_per_epoch * per_step
-        self.epoch, self.step_in_epoch = 0, 0
-        self._order: list[int] | None = None
-
-    def next_step(self) -> list[list[int]]:
-        if self.step_in_epoch == self.steps_per_epoch:
-            self.epoch, self.step_in_epoch, self._order = self.epoch + 1, 0, None
-        if self._order is None:
-            self.sampler.set_epoch(self.epoch)
-            self._order = list(self.sampler)
-        start = self.step_in_epoch * self.span
-        rows = self._order[start:start + self.span]
-        self.step_in_epoch += 1
-        if self.slice is not None:  # this rank's slice, in `accum` near-equal micro-batches
-            mine = rows[self.slice[0]:self.slice[1]]
-            return [mine[i * len(mine) // self.accum:(i + 1) * len(mine) // self.accum] for i in range(self.accum)]
-        return [rows[i:i + self.micro] for i in range(0, self.span, self.micro)]
-
-    @property
-    def rows_per_step(self) -> int:
-        """The rows this rank contributes to each optimizer step (its slice under rank_shares)."""
-        return self.slice[1] - self.slice[0] if self.slice is not None else self.span
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.step_in_epoch, self._order = state["epoch"], state["step_in_epoch"], None
 
 
 @dataclass
@@ -141,7 +83,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
     n_total, n_trainable = count_parameters(model)
     model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
-    slowdown.install(strategy.unwrap(model))  # chapter 05's emulated slow device (DISTLAB_SLOWDOWN); off by default
+    faults.install_slowdown(strategy.unwrap(model))  # chapter 05's emulated slow device; off by default
     accum = cfg.micro_steps(strategy.data_parallel_size)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from distlab.cli import run_main
-from distlab.launch.jobs import alternating_rounds
-from distlab.results import report, schema
+from distlab.launch.local import alternating_rounds
+from distlab.results import scaling_table, schema
 
 # What both chapter 02 and this benchmark run: the chapter adds its model/device parameters on top.
 SETUP = {"strategy": "ddp", "micro_batch_size": 2, "global_batch_size": 8, "logging_steps": 1,
@@ -29,7 +29,7 @@ SETUP = {"strategy": "ddp", "micro_batch_size": 2, "global_batch_size": 8, "logg
 def measure(steps: int = 40, rounds: int = 3, world_sizes=(1, 2), overrides: dict | None = None,
             runs_dir: Path | None = None, timeout_s: int = 900, progress=print):
     """(scaling table, {world size: jobs}): `rounds` alternating rounds at each world size, the median
-    round per world size, its spread (distlab.results.report.scaling_over_rounds)."""
+    round per world size, its spread (distlab.results.scaling_table.scaling_over_rounds)."""
     if steps <= schema.WARMUP_STEPS:
         raise ValueError(f"--steps {steps}: the first {schema.WARMUP_STEPS} steps are warm-up; run more")
     setup = {**SETUP, **(overrides or {}), "max_steps": steps}
@@ -37,7 +37,7 @@ def measure(steps: int = 40, rounds: int = 3, world_sizes=(1, 2), overrides: dic
         runs_dir = Path(tempfile.mkdtemp(prefix="ddp_scaling_"))
     jobs = alternating_rounds("ddp_scaling", list(world_sizes), setup, rounds, runs_dir=runs_dir,
                               timeout_s=timeout_s, progress=progress)
-    table = report.scaling_over_rounds({k: [job.log for job in js] for k, js in jobs.items()})
+    table = scaling_table.scaling_over_rounds({k: [job.log for job in js] for k, js in jobs.items()})
     return table, jobs
 
 

@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from distlab.batching import predicted_step_ratio, rows_per_rank
 from distlab.cli import run_main
-from distlab.lan import jobs
-from distlab.lan.balance import predicted_step_ratio, rows_per_rank
+from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.lan.cgroups import supported as cgroups_supported
 from distlab.paths import BUILD_DIR, RUNS_DIR
@@ -31,12 +31,12 @@ SMALL = {"strategy": "ddp", "eval_file": None, "save_model": False, "logging_ste
          "grad_accum": 1, "lora_dropout": 0.0, "eval_at_start": False, "eval_at_end": False}
 
 
-def calibrate(placement: jobs.Placement, limits, overrides: dict[str, Any], rows: int, global_rows: int,
+def calibrate(placement: host_runs.Placement, limits, overrides: dict[str, Any], rows: int, global_rows: int,
               echo=False) -> dict:
     out = BUILD_DIR / "lan" / "calibration.json"
     out.unlink(missing_ok=True)
     sets = [a for k, v in overrides.items() if k in ("seq_len", "model") for a in ("--set", f"{k}={v}")]
-    job = jobs.run_module(placement, "calibrate", "distlab.lan.calibrate",
+    job = host_runs.run_module(placement, "calibrate", "distlab.lan.calibrate",
                           ["--out", str(out), "--rows", str(rows), "--iters", "3", "--global-rows", str(global_rows),
                            *sets], limits=limits, echo=echo, timeout_s=240)
     if not job.ok:
@@ -44,7 +44,7 @@ def calibrate(placement: jobs.Placement, limits, overrides: dict[str, Any], rows
     return json.loads(out.read_text())
 
 
-def compare(placement: jobs.Placement, quotas: list[float], *, micro: int = 4, steps: int = 8, rounds: int = 2,
+def compare(placement: host_runs.Placement, quotas: list[float], *, micro: int = 4, steps: int = 8, rounds: int = 2,
             name: str = "balance", echo=False, timeout_s: int = 600, cpu_mode: str = "quota") -> dict:
     """Calibrate, then naive vs balanced in one launch. Returns the numbers the chapter prints."""
     world = len(quotas)
@@ -58,7 +58,7 @@ def compare(placement: jobs.Placement, quotas: list[float], *, micro: int = 4, s
         for kind, extra in (("naive", {"rank_shares": None}), ("balanced", {"rank_shares": shares})):
             variants[f"{name}_{kind}{r}"] = {**extra, "seed": 42}
             kinds[f"{name}_{kind}{r}"] = kind
-    job = jobs.run_training(placement, name, {**SMALL, "micro_batch_size": micro, "max_steps": steps},
+    job = host_runs.run_training(placement, name, {**SMALL, "micro_batch_size": micro, "max_steps": steps},
                             limits=limits, variants=variants, echo=echo, timeout_s=timeout_s, runs_dir=runs_dir)
     if not job.ok:
         raise RuntimeError(f"{name} failed:\n{job.failure()}")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     results = {}
     setups = [("two", quotas)] + ([("three", [1.0, 0.5, 0.5])] if args.three_node else [])
     for label, q in setups:
-        placement = jobs.place(len(q))
+        placement = host_runs.place(len(q))
         with placement.running():
             print(placement.describe(), flush=True)
             results[label] = compare(placement, q, micro=args.micro, steps=args.steps, rounds=args.rounds,

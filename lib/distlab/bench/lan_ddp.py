@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distlab.cli import run_main
-from distlab.lan import jobs
+from distlab.lan import host_runs
 from distlab.lan.hosts import rate_bits
 from distlab.metrics import read_log
 from distlab.paths import BUILD_DIR, MODEL_CACHE, RUNS_DIR
@@ -66,7 +66,7 @@ class LinkRun:
     overrides: dict[str, Any]
 
 
-def run_on_links(placement: jobs.Placement, name: str, runs: Sequence[LinkRun], steps: int, echo=False,
+def run_on_links(placement: host_runs.Placement, name: str, runs: Sequence[LinkRun], steps: int, echo=False,
                  timeout_s: int = 600) -> dict[str, dict[str, Any]]:
     """ONE launch of `runs` back to back in the same ranks ({run name: measurements}), each on its own rate:
     a watcher reshapes the links when a run's log says it started and back to the fastest rate when it
@@ -91,7 +91,7 @@ def run_on_links(placement: jobs.Placement, name: str, runs: Sequence[LinkRun], 
     _shape(placement, fastest)
     watcher = threading.Thread(target=follow, daemon=True)
     try:
-        job = jobs.run_training(placement, name, {**SMALL, "max_steps": steps},
+        job = host_runs.run_training(placement, name, {**SMALL, "max_steps": steps},
                                 variants={r.name: r.overrides for r in runs}, echo=echo, timeout_s=timeout_s,
                                 runs_dir=RUNS, on_start=watcher.start)
     finally:
@@ -109,7 +109,7 @@ def run_on_links(placement: jobs.Placement, name: str, runs: Sequence[LinkRun], 
     return {r.name: measured(RUNS / r.name / "train_log.jsonl", shaped_at.get(r.name)) for r in runs}
 
 
-def _shape(placement: jobs.Placement, rate: str) -> None:
+def _shape(placement: host_runs.Placement, rate: str) -> None:
     if placement.cluster:  # the localhost fallback has no links to shape
         placement.cluster.shape_all(rate)
 
@@ -178,14 +178,14 @@ def _hook_rows(placement, rate: str, hooks: Sequence[str], results: dict[str, di
     return rows
 
 
-def link_sweep(placement: jobs.Placement, rates: Sequence[str], steps: int = 4, *, name: str = "ddp_link",
+def link_sweep(placement: host_runs.Placement, rates: Sequence[str], steps: int = 4, *, name: str = "ddp_link",
                echo=False, timeout_s: int = 600) -> list[dict[str, Any]]:
     """LoRA and full fine-tuning at every link rate, one launch: one row per (rate, mode)."""
     runs = _sweep_runs(name, rates)
     return _sweep_rows(placement, runs, run_on_links(placement, name, runs, steps, echo, timeout_s))
 
 
-def compression(placement: jobs.Placement, rate: str = "100mbit", steps: int = 5, *, hooks: Sequence[str] = HOOKS,
+def compression(placement: host_runs.Placement, rate: str = "100mbit", steps: int = 5, *, hooks: Sequence[str] = HOOKS,
                 name: str = "ddp_hooks", echo=False, timeout_s: int = 600) -> list[dict[str, Any]]:
     """Full fine-tuning with each comm hook at `rate`, one launch: one row per hook (losses per step)."""
     runs = _hook_runs(name, rate, hooks)
@@ -193,7 +193,7 @@ def compression(placement: jobs.Placement, rate: str = "100mbit", steps: int = 5
     return _hook_rows(placement, rate, hooks, {h: results[r.name] for h, r in zip(hooks, runs)})
 
 
-def sweep_and_compression(placement: jobs.Placement, rates: Sequence[str], steps: int = 4, *,
+def sweep_and_compression(placement: host_runs.Placement, rates: Sequence[str], steps: int = 4, *,
                           rate: str = "100mbit", hooks: Sequence[str] = HOOKS, name: str = "ddp_lan", echo=False,
                           timeout_s: int = 600) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """link_sweep and compression in ONE launch (one start-up instead of two); the sweep's full
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     if args.steps <= schema.WARMUP_STEPS:
         print(f"{prog} --steps must exceed {schema.WARMUP_STEPS}", file=sys.stderr)
         return 2
-    placement = jobs.place(2, args.compression_rate)
+    placement = host_runs.place(2, args.compression_rate)
     with placement.running():
         print(placement.describe(), flush=True)
         sweep, hook_rows = sweep_and_compression(placement, rates, args.steps, rate=args.compression_rate,

@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 
 from distlab.cli import run_main
-from distlab.lan import jobs
+from distlab.lan import host_runs
 from distlab.lan.hosts import rate_bits
 from distlab.paths import BUILD_DIR
 
 
-def sweep(placement: jobs.Placement, rates: list[str], sizes_kib: list[float], seconds: float = 0.5,
+def sweep(placement: host_runs.Placement, rates: list[str], sizes_kib: list[float], seconds: float = 0.5,
           echo=False) -> list[dict]:
     """One row per (rate, size): busbw in bytes/s and as a fraction of the link's rate."""
     rows = []
@@ -30,7 +30,7 @@ def sweep(placement: jobs.Placement, rates: list[str], sizes_kib: list[float], s
             placement.cluster.shape_all(rate)
         out = BUILD_DIR / "lan" / f"allreduce_{rate}.json"
         out.unlink(missing_ok=True)
-        job = jobs.run_module(placement, f"allreduce_{rate}", "distlab.workers.allreduce_bench",
+        job = host_runs.run_module(placement, f"allreduce_{rate}", "distlab.workers.allreduce_bench",
                               ["--out", str(out), "--backend", "gloo", "--sizes-kib", ",".join(map(str, sizes_kib)),
                                "--seconds-per-size", str(seconds), "--min-iters", "2", "--warmup", "1"],
                               echo=echo, timeout_s=300)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"python -m distlab.bench.lan_network: error: {e}", file=sys.stderr)
         return 2
-    placement = jobs.place(2, rates[0])
+    placement = host_runs.place(2, rates[0])
     with placement.running():
         print(placement.describe(), flush=True)
         rows = sweep(placement, rates, sizes)

@@ -12,7 +12,7 @@ machine noise hits both alike; each one's median steady-state step time is repor
 and the ratio the measured layer times predict (a pipeline step takes about (m + p - 1) x the slowest
 stage's time per micro-batch, so the prediction is the ratio of the slowest stages).
 
-The slowdown: "sleep" (DISTLAB_SLOWDOWN, relative to the rank's own compute; distlab.lan.slowdown hooks
+The slowdown: "sleep" (DISTLAB_SLOWDOWN, relative to the rank's own compute; distlab.faults.install_slowdown hooks
 the stage module on a pipeline rank) by default, robust on a loaded machine; "quota" is the cgroup CPU
 quota, exact on an idle one.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distlab.cli import run_main
-from distlab.lan import jobs
+from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.paths import BUILD_DIR, RUNS_DIR
 from distlab.results import schema
@@ -41,7 +41,7 @@ SMALL = {"strategy": "pipeline", "eval_file": None, "save_model": False, "loggin
 
 
 def bench_model() -> str:
-    from distlab.measure.bubble import balanced_bench_model  # deferred: the builder pulls in transformers
+    from distlab.models import balanced_bench_model  # deferred: distlab.models pulls in torch
 
     return balanced_bench_model(**MODEL_SHAPE)
 
@@ -90,7 +90,7 @@ def choose_split(times: list[dict], layers: int, fits=lambda counts: True) -> tu
 
 
 def equal_split(layers: int, stages: int = 2) -> list[int]:
-    from distlab.strategies.split import split_layers  # deferred: pulls in torch
+    from distlab.layer_split import split_layers  # deferred: pulls in torch
 
     return [len(r) for r in split_layers(layers, stages)]
 
@@ -101,7 +101,7 @@ def measure_layer_times(placement, limits, model_dir: str, overrides: dict[str, 
     out = BUILD_DIR / "lan" / "pipeline_layer_times.json"
     out.unlink(missing_ok=True)
     sets = ["--set", f"seq_len={overrides['seq_len']}", "--set", "eval_file=null"]
-    job = jobs.run_module(placement, "layer_times", "distlab.workers.layer_times",
+    job = host_runs.run_module(placement, "layer_times", "distlab.workers.layer_times",
                           ["--out", str(out), "--rows", str(overrides["micro_batch_size"]),
                            "--set", f"model={model_dir}", *sets], limits=limits, echo=echo, timeout_s=240)
     if not job.ok:
@@ -140,7 +140,7 @@ def race(placement, plan: dict, *, steps: int = 6, rounds: int = 1, name: str = 
         for kind in ("equal", "measured"):
             variants[f"{name}_{kind}{i}"] = {"stage_layers": plan[f"{kind}_split"], "seed": 42}
             kinds[f"{name}_{kind}{i}"] = kind
-    job = jobs.run_training(placement, name, {**plan["overrides"], "max_steps": steps}, limits=plan["limits"],
+    job = host_runs.run_training(placement, name, {**plan["overrides"], "max_steps": steps}, limits=plan["limits"],
                             variants=variants, echo=echo, timeout_s=timeout_s)
     if not job.ok:
         raise RuntimeError(f"{name} failed:\n{job.failure()}")
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         print(f"python -m distlab.bench.lan_pipeline: error: --steps must exceed {WARMUP_STEPS} (warm-up steps are "
               "left out of the step time)", file=sys.stderr)
         return 2
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
         print(placement.describe(), flush=True)
         r = compare(placement, args.slow, steps=args.steps, rounds=args.rounds, budget_mib=args.budget_mib,

@@ -8,7 +8,8 @@ thread per stage, gloo on CPU), with the timeline recorded (measure_comm), all r
 `--rounds` launches repeat the whole sweep, and the table gives the median over rounds with the
 min-max spread. Per step, every stage's idle fraction is 1 - (its forward+backward time) / (the
 step's span, first op start to last op end over all stages); the bubble is the mean over stages,
-the median over the steady-state steps. See distlab.measure.bubble for the definitions and models.
+the median over the steady-state steps. See distlab.measure.bubble for the definitions and models,
+distlab.chapters.ch04 for the sweep (the one chapter 04's notebook runs).
 
 Two predictions beside the measurement:
 * theory: (p-1)/(m+p-1), equal stages and free hand-offs;
@@ -38,8 +39,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from distlab.chapters.ch04 import bubble_sweep, over_rounds
 from distlab.cli import run_main
-from distlab.measure.bubble import balanced_bench_model, bubble_sweep, over_rounds
+from distlab.models import balanced_bench_model
 
 
 def main(argv=None) -> int:

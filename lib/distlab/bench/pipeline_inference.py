@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from distlab.cli import run_main
-from distlab.inference.checkpoint import random_checkpoint
-from distlab.launch import runner
+from distlab.inference.stage_weights import random_checkpoint
+from distlab.launch import process
 from distlab.paths import BUILD_DIR
 
 MODES = {"1 stage": (1, None), "2 stages, in flight": (2, None), "2 stages, one at a time": (2, 1)}
@@ -37,7 +37,7 @@ def run_one(model_dir: Path, stages: int, in_flight: int | None, out_dir: Path, 
            "--num-prompts", str(prompts), "--batch-size", str(batch_size), "--max-new-tokens", str(new_tokens)]
     if in_flight:
         cmd += ["--in-flight", str(in_flight)]
-    runner.run(cmd, timeout_s=timeout_s, log_path=out_dir / "launch.log", echo=False,
+    process.run(cmd, timeout_s=timeout_s, log_path=out_dir / "launch.log", echo=False,
                env={"OMP_NUM_THREADS": "1"})
     return json.loads((out_dir / "summary.json").read_text())
 

@@ -30,11 +30,11 @@ from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conversations
 from distlab.device import autocast, choose_device, native_bf16
-from distlab.launch.runner import python_module_cmd, run
+from distlab.launch.process import python_module_cmd, run
 from distlab.metrics import read_log
 from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
 from distlab.prepare import apply_lora, seed_everything
-from distlab.publish.provenance import save_table, stamp
+from distlab.provenance import save_table, stamp
 from distlab.train import train
 
 FRAMEWORKS = ("distlab", "hf_trainer", "hf_trainer_bf16", "trl_sft_packing")

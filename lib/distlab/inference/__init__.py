@@ -2,13 +2,15 @@
 process that loads only its own weights, generating with a per-stage KV cache while several
 micro-batches of prompts are in flight, so every stage works at the same time.
 
-  checkpoint  read only the tensors a stage needs from a safetensors checkpoint (single file or
+  stage_weights  read only the tensors a stage needs from a safetensors checkpoint (single file or
               sharded), and merge a PEFT LoRA adapter's deltas for those layers into them
   stage       InferenceStage: [embeddings] -> layers[i:j] -> [norm, LM head], built empty and
               filled from the checkpoint; one forward with the stage's KV cache
   batches     prompts -> chat-templated, left-padded micro-batches (the same rows on every rank)
   engine      the pipelined generation loop over torch.distributed (hidden states forward,
               sampled tokens back), greedy or seeded temperature/top-p, stop at EOS or max tokens
+  stage_timeline  a finished run read back (summary, completions, per-stage memory) and its stage
+              timeline drawn
   run         the per-rank entry point (torchrun or srun): rank/world from the environment, per-rank
               log, completion JSONL, per-stage memory and timeline
 

@@ -31,12 +31,12 @@ from distlab.cli import run_main
 from distlab.device import backend_for
 from distlab.generate import write_jsonl
 from distlab.inference.batches import micro_batches, read_prompts
-from distlab.inference.checkpoint import checkpoint_bytes
 from distlab.inference.engine import Pipeline, Sampling
 from distlab.inference.stage import InferenceStage
+from distlab.inference.stage_weights import checkpoint_bytes
+from distlab.layer_split import split_layers
 from distlab.models import resolve_model
 from distlab.paths import DEMO_PROMPTS
-from distlab.strategies.split import split_layers
 
 MIB = 2 ** 20
 

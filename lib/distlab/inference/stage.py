@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distlab.inference.checkpoint import CheckpointError, layer_of, lora_deltas, read_tensors
+from distlab.inference.stage_weights import CheckpointError, layer_of, lora_deltas, read_tensors
 from distlab.strategies.split import decoder_parts, layer_types
 
 

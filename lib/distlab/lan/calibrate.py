@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab import faults
+from distlab.batching import rows_per_rank, shares_from_throughput
 from distlab.cli import run_main
 from distlab.config import load_config, parse_override
 from distlab.data import model_inputs
-from distlab.lan import slowdown
-from distlab.lan.balance import rows_per_rank, shares_from_throughput
-from distlab.launch.jobs import TINY_CONFIG
+from distlab.launch.local import TINY_CONFIG
 from distlab.prepare import prepare_run
 from distlab.strategies.single import SingleDevice
 from distlab.workers import write_result
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
         choice, _, train_data, _, model = prepare_run(cfg, SingleDevice())
         model.train()
-        slowdown.install(model)  # an emulated slow device (DISTLAB_SLOWDOWN) is slow here too
+        faults.install_slowdown(model)  # an emulated slow device (DISTLAB_SLOWDOWN) is slow here too
         batch = model_inputs(train_data.batch(list(range(args.rows))), choice.device)
         model(**batch).backward()  # warm-up: allocations, first-call overheads
         t0 = time.perf_counter()

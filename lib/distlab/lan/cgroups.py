@@ -53,7 +53,7 @@ class HostLimits:
     memory_bytes: int | None = None  # None: unlimited
     # "quota": cgroup cfs quota (exact on an idle machine); "duty": the SIGSTOP/SIGCONT Throttle, which
     # stays relative on a machine other jobs load (a quota above what a busy core gives no longer binds)
-    # "sleep": distlab.lan.slowdown (DISTLAB_SLOWDOWN = 1/cpu), relative to the rank's own compute
+    # "sleep": distlab.faults.install_slowdown (DISTLAB_SLOWDOWN = 1/cpu), relative to the rank's own compute
     cpu_mode: str = "quota"
 
     def env(self) -> dict[str, str]:

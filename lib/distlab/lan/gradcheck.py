@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from distlab.batching import StepBatches
 from distlab.cli import run_main
 from distlab.config import load_config, parse_override
-from distlab.launch.jobs import TINY_CONFIG
+from distlab.launch.local import TINY_CONFIG
 from distlab.prepare import prepare_run
 from distlab.strategies import make_strategy
-from distlab.train import StepBatches
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """A node started with the wrong node rank: the per-node script refuses before torchrun starts.
 
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
         r = wrong_node_rank_demo(placement)    # node0.sh (node rank 0) started on host 1 as well
     print(r["line"])
@@ -21,21 +21,21 @@ import sys
 import time
 from typing import Any
 
-from distlab.lan import jobs
+from distlab.lan import host_runs
 from distlab.lan.diagnose import diagnose
-from distlab.launch.runner import run
+from distlab.launch.process import run
 from distlab.launch.torchrun import HOST_MISMATCH_EXIT, write_scripts
 from distlab.paths import BUILD_DIR, REPO_ROOT
 
 
-def wrong_node_rank_demo(placement: jobs.Placement, *, script_rank: int = 0, host: int = 1, timeout_s: int = 60,
+def wrong_node_rank_demo(placement: host_runs.Placement, *, script_rank: int = 0, host: int = 1, timeout_s: int = 60,
                          name: str = "wrong_rank", echo=False) -> dict[str, Any]:
     """Start node `script_rank`'s script on host `host` (a node rank that belongs to another host)."""
     if placement.cluster is None:
         raise RuntimeError(f"the wrong-host check needs the namespace cluster: {placement.why_local}")
-    spec = jobs.module_spec(placement, name, "distlab.workers.fingerprint",
+    spec = host_runs.module_spec(placement, name, "distlab.workers.fingerprint",
                             ["--out", str(BUILD_DIR / "lan" / f"{name}.json")], timeout_s=timeout_s)
-    scripts = write_scripts(spec, jobs.SCRIPTS_DIR, name)
+    scripts = write_scripts(spec, host_runs.SCRIPTS_DIR, name)
     lines: list[str] = []
 
     def emit(line: str) -> None:
@@ -46,7 +46,7 @@ def wrong_node_rank_demo(placement: jobs.Placement, *, script_rank: int = 0, hos
     start = time.monotonic()
     res = run([*placement.prefix(host), "bash", str(scripts[script_rank])], timeout_s=timeout_s + 20, echo=emit,
               check=False, cwd=REPO_ROOT, env={"PYTHON": sys.executable},
-              log_path=jobs.SCRIPTS_DIR.parent / "logs" / name / f"host{host}.log")
+              log_path=host_runs.SCRIPTS_DIR.parent / "logs" / name / f"host{host}.log")
     elapsed = time.monotonic() - start
     found = diagnose(lines)
     line = next((d["line"] for d in found if d["rule"] == "wrong node rank"), lines[-1] if lines else "")

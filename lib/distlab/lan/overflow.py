@@ -1,6 +1,6 @@
 """Memory overflow on the small device: the planner's bytes against a host's memory cap, the OOM kill, the fix.
 
-    placement = jobs.place(2)
+    placement = host_runs.place(2)
     with placement.running():
         r = overflow_demo(placement)     # full fine-tuning OOM-killed on host 1, then the planner's advice
     print(report(r))
@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from distlab.lan import jobs
+from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits, oom_killed
 from distlab.lan.diagnose import diagnose, first_error
 
@@ -45,7 +45,7 @@ TRAIN = {"eval_file": None, "save_model": False, "logging_steps": 1, "seq_len": 
 def demo_model() -> Path:
     """The tiny Qwen2's shape with 8 layers and a 4096-wide FFN (27.7M parameters, random init), built once:
     its planned state, not the runtime around it, decides whether a rank fits."""
-    from distlab.measure.bubble import balanced_bench_model  # deferred: pulls in the measuring code
+    from distlab.models import balanced_bench_model  # deferred: distlab.models pulls in torch
 
     return Path(balanced_bench_model(intermediate_size=4096, layers=8))
 
@@ -102,7 +102,7 @@ def cgroup_line(name: str, seen: dict) -> str:
             f"{seen.get('max_usage_bytes', 0) / MIB:.0f} MiB of a {seen.get('limit_bytes', 0) / MIB:.0f} MiB cap")
 
 
-def overflow_demo(placement: jobs.Placement, *, steps: int = 3, allowance: int = RUNTIME_ALLOWANCE,
+def overflow_demo(placement: host_runs.Placement, *, steps: int = 3, allowance: int = RUNTIME_ALLOWANCE,
                   cap_fraction: float = CAP_FRACTION, echo=False, timeout_s: int = 180,
                   rerun: bool = True) -> dict[str, Any]:
     """Full fine-tuning under host 1's cap (OOM-killed), then (`rerun`) the planner's advice under the same cap."""
@@ -111,7 +111,7 @@ def overflow_demo(placement: jobs.Placement, *, steps: int = 3, allowance: int =
     return rerun_with_advice(placement, r, echo=echo, timeout_s=timeout_s) if rerun else r
 
 
-def overflow_failure(placement: jobs.Placement, *, steps: int = 3, allowance: int = RUNTIME_ALLOWANCE,
+def overflow_failure(placement: host_runs.Placement, *, steps: int = 3, allowance: int = RUNTIME_ALLOWANCE,
                      cap_fraction: float = CAP_FRACTION, echo=False, timeout_s: int = 180) -> dict[str, Any]:
     """Full fine-tuning under host 1's cap: the planner's bytes, the kill, its evidence and the advice."""
     if placement.cluster is None:
@@ -122,7 +122,7 @@ def overflow_failure(placement: jobs.Placement, *, steps: int = 3, allowance: in
     cap = int(allowance + cap_fraction * need)
     caps = [psutil.virtual_memory().total // placement.nodes] + [cap] * (placement.nodes - 1)
     overrides = {**TRAIN, "model": str(model_dir), "max_steps": steps, "strategy": "ddp"}
-    failed = jobs.run_training(placement, "overflow_full", overrides, limits=_limits(placement, cap), echo=echo,
+    failed = host_runs.run_training(placement, "overflow_full", overrides, limits=_limits(placement, cap), echo=echo,
                                timeout_s=timeout_s)
     seen = _host_memory(placement, 1)  # read before the next launch resets the group
     lines = [*failed.lines, cgroup_line(placement.name(1), seen)]
@@ -135,18 +135,18 @@ def overflow_failure(placement: jobs.Placement, *, steps: int = 3, allowance: in
             "advice_planned_bytes": int(rec.plan.total) if rec.plan else None}
 
 
-def rerun_with_advice(placement: jobs.Placement, r: dict[str, Any], *, echo=False, timeout_s: int = 180) -> dict:
+def rerun_with_advice(placement: host_runs.Placement, r: dict[str, Any], *, echo=False, timeout_s: int = 180) -> dict:
     """The advised setup (LoRA, the recommender's strategy) under the cap the full fine-tuning overflowed."""
     if r["advice_strategy"] == "none":
         return r
-    fixed = jobs.run_training(placement, "overflow_advised", {**r["overrides"], "strategy": r["advice_strategy"],
+    fixed = host_runs.run_training(placement, "overflow_advised", {**r["overrides"], "strategy": r["advice_strategy"],
                                                                "lora": True},
                               limits=_limits(placement, r["cap_bytes"]), echo=echo, timeout_s=timeout_s)
     return {**r, "advised_ok": fixed.ok, "advised_elapsed_s": fixed.elapsed_s,
             "advised_oom": _host_memory(placement, 1), "advised_failure": fixed.failure() if not fixed.ok else ""}
 
 
-def _limits(placement: jobs.Placement, cap: int) -> list[HostLimits]:
+def _limits(placement: host_runs.Placement, cap: int) -> list[HostLimits]:
     return [HostLimits()] + [HostLimits(memory_bytes=cap)] * (placement.nodes - 1)
 
 

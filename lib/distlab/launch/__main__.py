@@ -1,4 +1,4 @@
 from distlab.cli import run_main
-from distlab.launch.seeds import main
+from distlab.launch.catalog import main
 
 run_main(main)

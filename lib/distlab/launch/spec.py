@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from distlab.config import PIPELINE_STRATEGIES, STRATEGY_NAMES
 from distlab.launch.network import NetworkPresetError, get_preset
-from distlab.strategies import PIPELINE_STRATEGIES, STRATEGY_NAMES
 
 RENDEZVOUS = ("standalone", "static", "c10d")
 TORCHRUN_SHUTDOWN_S = 30  # torchrun's default --shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)

@@ -26,7 +26,7 @@ foreground process group, so Ctrl-C reaches torchrun even when the script is sta
 script. Exit status 124 means the limit was hit.
 
 `torchrun_flags` is the one place torchrun's command-line flags are built: the scripts here, the
-fingerprint command in a multi-node README, the Kubernetes entrypoints (distlab.launch.kubernetes)
+fingerprint command in a multi-node README, the Kubernetes entrypoints (distlab.launch.kubernetes.manifests)
 and the jobs distlab.measure launches all use it. A spec's network preset (`network`) is exported
 with the rest of its environment, each variable with the preset's reason.
 """
@@ -314,7 +314,7 @@ def render_readme(spec: LaunchSpec, name: str) -> str:
     lines += [
         "",
         "Then check that every node reaches the rendezvous and runs the same software stack with the "
-        "fingerprint job (one rank per node, gloo over TCP; see `distlab.measure.envcheck.run_fingerprint`), "
+        "fingerprint job (one rank per node, gloo over TCP; see `distlab.workers.launcher.run_fingerprint`), "
         "from the repository root, on each node:",
         "",
         "```bash",

@@ -7,5 +7,5 @@
   comm            communication time: DDP's comm hook, every torch.distributed collective    ch. 02-03
   state           bytes of weights, adapters, gradients, optimizer state a rank really holds ch. 01, 03
   pipeline_trace  per-micro-batch timeline of both pipelines, transfers, activation memory   ch. 04
-  bubble          the bubble in theory and as measured from a timeline, and its plots        ch. 04
+  bubble          the bubble in theory and as read from a recorded timeline (pure functions) ch. 04
 """

@@ -2,20 +2,18 @@
 whether every rank (on this node or on others) sees the same software.
 
 `environment_report()` describes this process's machine. `fingerprint()` is the part of it that
-must agree across ranks; `run_fingerprint()` launches it under torchrun so every rank reports and
+must agree across ranks; distlab.workers.launcher.run_fingerprint launches it under torchrun so every rank reports and
 rank 0 flags the fields that differ.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shutil
 import socket
 import subprocess
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 import psutil
@@ -23,10 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.device import backend_for
-from distlab.launch import runner
-from distlab.launch.torchrun import torchrun_flags
-from distlab.paths import RUNS_DIR
-from distlab.publish.provenance import cpu_model, package_versions
+from distlab.provenance import cpu_model, package_versions
 
 DIST_BACKENDS = ("nccl", "gloo", "mpi")
 
@@ -214,59 +209,3 @@ def compare_fingerprints(per_rank: Sequence[Mapping[str, str]]) -> list[dict[str
 
 def fingerprint_table(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(list(rows))
-
-
-def run_fingerprint(nproc: int = 2, timeout_s: float = 120, nnodes: int = 1, node_rank: int = 0,
-                    rdzv_endpoint: str | None = None, out_json: str | Path | None = None,
-                    backend: str = "gloo", env: Mapping[str, str] | None = None,
-                    echo: bool | Callable[[str], None] = True) -> pd.DataFrame | None:
-    """Launch the fingerprint worker on `nproc` ranks per node and return rank 0's table.
-
-    One machine (the default): `torchrun --nnodes 1 --nproc-per-node N --standalone -m
-    distlab.workers.fingerprint --out F`.
-
-    Several machines: run the same call on every node with the same `nnodes` and
-    `rdzv_endpoint` ("host:port" of node 0, reachable from all nodes through the firewall); each
-    node then runs
-
-        torchrun --nnodes 2 --nproc-per-node 1 \\
-                 --rdzv-backend c10d --rdzv-endpoint 192.168.1.100:29500 --rdzv-id distlab-fp \\
-                 -m distlab.workers.fingerprint --out fingerprint.json
-
-    The c10d rendezvous numbers the nodes as they join, so `node_rank` is not passed on (torchrun
-    ignores --node-rank there). Pass `env={"GLOO_SOCKET_IFNAME": "eth0"}` to pin the network
-    interface. Only global rank 0 writes the JSON, so the other nodes get None back (their launch
-    still fails loudly if any rank failed).
-
-    The worker uses gloo by default even on GPU nodes: the point is to compare software before
-    trusting NCCL, and gloo needs nothing but TCP.
-    """
-    out_json = Path(out_json) if out_json else RUNS_DIR / "envcheck" / "fingerprint.json"
-    flags = torchrun_flags(nproc, nnodes, rendezvous="standalone" if nnodes == 1 else "c10d",
-                           node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id="distlab-fp")
-    run_worker("distlab.workers.fingerprint", out_json, ["--backend", backend], flags, timeout_s=timeout_s,
-               env=env, echo=echo)
-    if not out_json.exists():
-        return None  # not node 0: rank 0 lives elsewhere
-    return fingerprint_table(json.loads(out_json.read_text())["rows"])
-
-
-def run_worker(module: str, out_json: Path, worker_args: Sequence[str], flags: Sequence[Sequence[str]], *,
-               timeout_s: float, env: Mapping[str, str] | None = None,
-               echo: bool | Callable[[str], None] = True) -> runner.RunResult:
-    """Run a distlab.workers program under torchrun (`flags` from torchrun_flags) through runner.run:
-    `module --out out_json worker_args...`, its console log beside out_json as .log.
-
-    A stale out_json is removed first, so that only this run's result can be read afterwards."""
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.unlink(missing_ok=True)
-    cmd = runner.python_module_cmd("torch.distributed.run", *(flag for group in flags for flag in group),
-                                   "-m", module, "--out", str(out_json), *worker_args)
-    return runner.run(cmd, timeout_s=timeout_s, env=worker_env(env), echo=echo, log_path=out_json.with_suffix(".log"))
-
-
-def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """One OpenMP thread per rank: ranks sharing a few cores slow each other down badly otherwise."""
-    env = {"OMP_NUM_THREADS": "1"}
-    env.update(extra or {})
-    return env

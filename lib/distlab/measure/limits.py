@@ -8,20 +8,18 @@ long a gradient all-reduce must take at best).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
 
 from distlab import device as devmod
-from distlab.launch.torchrun import torchrun_flags
-from distlab.measure.envcheck import run_worker, usable_cores
-from distlab.paths import FIGURES_DIR, RUNS_DIR
-from distlab.publish import provenance as prov
+from distlab import provenance as prov
+from distlab.measure.envcheck import usable_cores
+from distlab.paths import FIGURES_DIR
 
 DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)  # 4 KiB .. 64 MiB, as a DDP bucket grows
 LIMITS_FILE = "device_limits.csv"
@@ -136,31 +134,6 @@ def memory_rows(device: str = "auto", nbytes: int | None = None) -> list[dict[st
 
 # ---------------------------------------------------------------- all-reduce
 
-def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZES_KIB, timeout_s: float = 300,
-                        device: str = "auto", seconds_per_size: float = 0.25, max_iters: int = 1000,
-                        out_json: str | Path | None = None, env: Mapping[str, str] | None = None,
-                        echo: bool | Callable[[str], None] = True) -> pd.DataFrame:
-    """Launch distlab.workers.allreduce_bench on `nproc` local ranks; one row per message size.
-
-    gloo with one thread per rank on CPU, nccl when there is a GPU per rank (allreduce_backend).
-    Columns: size_bytes, count, iters, time_us, algbw_GBps, busbw_GBps, backend, world_size."""
-    backend = allreduce_backend(device, nproc)
-    if echo and backend == "gloo" and resolve_device(device) == "cuda":
-        (echo if callable(echo) else print)(
-            f"{torch.cuda.device_count()} GPU(s) for {nproc} ranks: NCCL needs one GPU per rank, "
-            "so this measures CPU ranks with gloo")
-    out_json = Path(out_json) if out_json else RUNS_DIR / "envcheck" / "allreduce.json"
-    worker_args = ["--backend", backend, "--sizes-kib", ",".join(str(s) for s in sizes_kib),
-                   "--seconds-per-size", str(seconds_per_size), "--max-iters", str(max_iters)]
-    run_worker("distlab.workers.allreduce_bench", out_json, worker_args, torchrun_flags(nproc),
-               timeout_s=timeout_s, env=env, echo=echo)
-    result = json.loads(out_json.read_text())
-    df = pd.DataFrame(result["results"])
-    df["backend"] = result["backend"]
-    df["world_size"] = result["world_size"]
-    return df
-
-
 def allreduce_backend(device: str, nproc: int) -> str:
     """The device's backend (distlab.device.backend_for), except that NCCL needs a GPU per rank:
     with fewer GPUs than ranks the ranks run on CPU with gloo (a 1-GPU node still gets a number)."""
@@ -221,13 +194,10 @@ def plot_allreduce_busbw(sweep, out_png: str | Path, provenance: Mapping[str, An
 
 # ---------------------------------------------------------------- the table
 
-def measure_device_limits(device: str = "auto", nproc: int = 2,
-                          allreduce_sizes_kib: Sequence[float] = DEFAULT_SIZES_KIB,
-                          matmul_seconds: float = 1.0, timeout_s: float = 300, allreduce=None,
+def measure_device_limits(device: str = "auto", *, allreduce, matmul_seconds: float = 1.0,
                           memory_bytes: int | None = None):
-    """All limits in one table. Pass `allreduce` (a run_allreduce_bench result) to reuse a sweep."""
-    if allreduce is None:
-        allreduce = run_allreduce_bench(nproc, allreduce_sizes_kib, timeout_s, device)
+    """All limits in one table: matmul and memory measured here, `allreduce` the sweep that
+    distlab.workers.launcher.run_allreduce_bench measured on several ranks."""
     rows = matmul_rows(device, matmul_seconds) + memory_rows(device, memory_bytes) + allreduce_rows(allreduce)
     return pd.DataFrame(rows, columns=COLUMNS)
 

@@ -7,55 +7,19 @@ DDP), an FSDP2 module (a DTensor counts only its local shard) or a DeepSpeed ZeR
 gradients and the optimizer state both exist. Every storage is counted once, in the first category
 that holds it, and a view into a flat buffer counts the whole buffer: that is what the rank holds.
 
-`measure_activation_memory` counts what autograd saves for the backward pass, and
-`measure_training_memory` takes one real step of a run on one device and measures both, next to
-the facts the planner (distlab.planning) needs to predict the same run from its config alone.
+`measure_activation_memory` counts what autograd saves for the backward pass.
+(distlab.chapters.ch01.measure_training_memory builds a run and measures one real step with both.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from distlab import compat
-from distlab.config import TrainConfig
-from distlab.data import model_inputs
-from distlab.device import autocast
-from distlab.prepare import prepare_run
-from distlab.strategies import make_strategy
-
-# The parts of a rank's memory, in the order every table lists them (results records, planner tables).
-STATE_COMPONENTS = ("weights", "adapter_weights", "gradients", "optimizer_state", "activations", "buffers")
-
-
-@dataclass
-class MemoryBreakdown:
-    weights: float = 0.0  # frozen or trained base weights
-    adapter_weights: float = 0.0  # LoRA A/B (0 for full fine-tuning)
-    gradients: float = 0.0
-    optimizer_state: float = 0.0  # AdamW moments, plus DeepSpeed's fp32 master copy of trained weights
-    activations: float = 0.0
-    buffers: float = 0.0  # communication buffers: DDP buckets, FSDP all-gathers, DeepSpeed reduce buckets
-    notes: list[str] = field(default_factory=list, repr=False, compare=False)
-
-    @property
-    def state(self) -> float:
-        """Weights, adapters, gradients and optimizer state: what sharding divides."""
-        return self.weights + self.adapter_weights + self.gradients + self.optimizer_state
-
-    @property
-    def total(self) -> float:
-        return self.state + self.activations + self.buffers
-
-    def as_dict(self) -> dict[str, float]:
-        out = {k: getattr(self, k) for k in STATE_COMPONENTS}
-        if not self.buffers:  # the single-device tables of chapters 01/02 have no buffers row
-            del out["buffers"]
-        return {**out, "total": self.total}
-
+from distlab.results.schema import MemoryBreakdown
 
 # ----------------------------------------------------------------------------- counting storages
 
@@ -192,49 +156,3 @@ def measure_activation_memory(model: torch.nn.Module, loss_fn) -> int:
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total
-
-
-@dataclass
-class TrainingMemory:
-    """One real optimizer step of a run on one device: what it held, and what the run was, in the
-    terms of distlab.planning.memory.estimate_training_memory, so the two can be put side by side:
-    `estimate_training_memory(m.model_config, **m.estimate_args)`."""
-
-    measured: MemoryBreakdown
-    model_config: Any  # the HF config of the model the run built
-    estimate_args: dict[str, Any]  # the trainer's dtype, LoRA, batch shape, loss-token fraction
-
-
-def trainer_dtype(choice) -> str:
-    """The trainer's dtype name for a device choice ("auto" resolved): what the planner plans with."""
-    names = {(torch.float32, None): "fp32", (torch.float32, torch.bfloat16): "bf16-autocast",
-             (torch.bfloat16, None): "bf16", (torch.float32, torch.float16): "fp16-autocast"}
-    return names[(choice.dtype, choice.autocast_dtype)]
-
-
-def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
-    """Build the run's model exactly as distlab.train does (distlab.prepare.prepare_run), take one real
-    step on a first micro-batch, then sum weights, gradients and optimizer state and the activations
-    autograd saved."""
-    strategy = make_strategy("single")
-    choice, _, train_data, _, model = prepare_run(cfg.replace(eval_file=None), strategy)
-    model, optimizer, _ = strategy.prepare(model, choice, cfg)
-    model.train()
-    first = train_data.batch(list(range(cfg.micro_batch_size)))
-    batch = model_inputs(first, choice.device)
-
-    def loss_fn(m):
-        with autocast(choice):
-            return m(**batch)
-
-    activations = measure_activation_memory(model, loss_fn)
-    loss_fn(model).backward()
-    optimizer.step()  # creates AdamW's moments
-    measured = measure_state(model, optimizer)
-    measured.activations = activations
-    estimate_args = dict(
-        dtype=trainer_dtype(choice), lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
-        micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
-        activation_checkpointing=cfg.activation_checkpointing, lora_dropout=cfg.lora_dropout,
-        loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel())
-    return TrainingMemory(measured, model.causal_lm.config, estimate_args)

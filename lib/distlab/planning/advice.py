@@ -13,10 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from distlab.measure.state import MemoryBreakdown
+from distlab.config import PIPELINE_STRATEGIES
 from distlab.planning.plan import plan_memory
 from distlab.planning.shapes import parameter_count, parameter_layout
-from distlab.strategies import PIPELINE_STRATEGIES
+from distlab.results.schema import MemoryBreakdown
 
 GIB = 1024**3
 # The LAN-cluster seed's three GPUs (memory in GiB, as GPU makers count it).

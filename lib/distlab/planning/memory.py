@@ -1,7 +1,7 @@
 """Where training memory goes, as the chapters use it: `from distlab.planning import memory`.
 
 Chapter 01 estimates one device (`estimate_training_memory`, the seed models' shapes) and puts the
-estimate next to a measured step (distlab.measure.state.measure_training_memory) in `breakdown_table`.
+estimate next to a measured step (distlab.chapters.ch01.measure_training_memory) in `breakdown_table`.
 Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`, `plot_breakdowns`), the
 traffic per step (`communication_bytes`) and the LAN-cluster guide's choice (`recommend`).
 
@@ -11,12 +11,12 @@ tables and figures of breakdowns.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from distlab.measure.state import STATE_COMPONENTS, MemoryBreakdown
+from distlab.config import LORA_TARGETS, STRATEGY_NAMES, ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
 from distlab.planning.advice import (
     LAN_CLUSTER,
     Decision,
@@ -31,12 +31,10 @@ from distlab.planning.plan import (
     DTYPE_BYTES,
     MOMENT_BYTES,
     PLANNERS,
-    ZERO3_PERSISTENCE_THRESHOLD,
     ZERO_ALIGNMENT,
     estimate_training_memory,
     moment_bytes,
     plan_memory,
-    zero_bucket_elements,
 )
 from distlab.planning.shapes import (
     ATTENTION_PROJECTIONS,
@@ -54,7 +52,7 @@ from distlab.planning.shapes import (
     parameter_count,
     parameter_layout,
 )
-from distlab.strategies import STRATEGY_NAMES
+from distlab.results.schema import STATE_COMPONENTS, MemoryBreakdown
 
 GIB = 1024**3
 
@@ -110,3 +108,30 @@ def plot_breakdowns(rows: Mapping[str, MemoryBreakdown], capacities: Mapping[str
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- measured against planned
+
+STATE_PARTS = ("weights", "adapter_weights", "gradients", "optimizer_state")
+
+
+def state_vs_plan(runs: Iterable[Mapping[int, Mapping[str, Any]]], config, *, dtype: str | None = None,
+                  lora_targets=None):
+    """One row per run, rank and component: the bytes the rank measured it owns (record
+    "state_bytes", from runs with measure_state) next to distlab.planning.plan.plan_memory's prediction
+    for that strategy, world size and rank, in MiB, with their ratio."""
+    rows = []
+    for results in runs:
+        for rank, rec in sorted(results.items()):
+            measured = rec.get("state_bytes")
+            if not measured:
+                raise ValueError(f"run {rec.get('run')} rank {rank}: no state_bytes (run it with measure_state=True)")
+            plan = plan_memory(config, strategy=rec["strategy"], world_size=rec["world_size"], rank=rank,
+                               dtype=dtype, lora_r=rec.get("lora_r") if rec["mode"] == "lora" else None,
+                               lora_targets=lora_targets or LORA_TARGETS)
+            for part in STATE_PARTS:
+                m, p = measured[part], getattr(plan, part)
+                rows.append({"strategy": rec["strategy"], "mode": rec["mode"], "world_size": rec["world_size"],
+                             "rank": rank, "component": part, "measured_mib": m / 2**20, "planned_mib": p / 2**20,
+                             "planned / measured": (p / m) if m else (1.0 if p == 0 else float("inf"))})
+    return pd.DataFrame(rows)

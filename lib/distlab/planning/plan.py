@@ -13,8 +13,14 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from distlab.config import LORA_TARGETS
-from distlab.measure.state import MemoryBreakdown
+from distlab.config import (
+    LORA_TARGETS,
+    PIPELINE_STRATEGIES,
+    STRATEGY_NAMES,
+    ZERO3_PERSISTENCE_THRESHOLD,
+    zero_bucket_elements,
+)
+from distlab.layer_split import split_layers
 from distlab.planning.shapes import (
     ParamSpec,
     activation_bytes_estimate,
@@ -23,14 +29,12 @@ from distlab.planning.shapes import (
     optimizer_groups,
     parameter_layout,
 )
-from distlab.strategies import PIPELINE_STRATEGIES, STRATEGY_NAMES
-from distlab.strategies.split import split_layers
+from distlab.results.schema import MemoryBreakdown
 
 # Optimizer state per trained weight with fp32 moments: AdamW's two (8 bytes), none for SGD, 8-bit AdamW's 2.
 MOMENT_BYTES = {"adamw": 8, "sgd": 0, "adamw8bit": 2}
 FP32_BYTES = 4  # an fp32 value: DeepSpeed's master copy of the trained weights, fp32 gradient buffers
 ZERO_ALIGNMENT = 2  # ZeRO-1/2 pad each flat group to a multiple of 2 x world (DeepSpeed's nccl_start_alignment_factor)
-ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
 ZERO_STRATEGIES = ("zero2", "zero3")
 
 # dtype -> (bytes per stored weight, bytes per activation value). "bf16-autocast" keeps fp32 weights
@@ -115,14 +119,6 @@ def resolve_precision(strategy: str, dtype: str | None, *, lora: bool, optimizer
     tb = float(trainable_bytes) if trainable_bytes is not None else (FP32_BYTES if lora and not deepspeed_bf16 else wb)
     ab = activation_bytes if activation_bytes is not None else (shape_ab or (wb if wb >= 2 else 2))
     return Precision(wb, tb, ab, moment_bytes(optimizer), 2 if deepspeed_bf16 else FP32_BYTES, deepspeed_bf16)
-
-
-def zero_bucket_elements(n_trained: int) -> int:
-    """Elements per DeepSpeed reduce/all-gather bucket in distlab's config: DeepSpeed's default 5e8,
-    or the trained weight count when that is smaller (a bucket never holds more than that, and
-    DeepSpeed allocates 5e8 elements, 2 GB in fp32, even for a tiny model). Even, as it requires."""
-    n = int(min(5e8, max(int(n_trained), 2)))
-    return n + n % 2
 
 
 def _chunk(n: int, parts: int) -> int:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from distlab.planning.plan import ZERO3_PERSISTENCE_THRESHOLD, plan_memory
+from distlab.config import ZERO3_PERSISTENCE_THRESHOLD
+from distlab.planning.plan import plan_memory
 from distlab.planning.shapes import LLAMA2_7B, parameter_layout
 
 K = 12  # bytes of optimizer state per parameter in the paper's mixed-precision Adam

@@ -6,7 +6,7 @@ fail on arrival on a GPU node because of a parameter no notebook declares or a b
 For each notebook and profile: the notebook's own defaults (its `parameters` cell, evaluated) overlaid
 with the profile's values; every profile parameter must be declared by the notebook (papermill would
 inject it and the chapter would silently ignore it); then every launch the chapter makes is built the
-way `distlab.launch.jobs` builds it: the training config (types, ranges, model name), the accumulation
+way `distlab.launch.local` builds it: the training config (types, ranges, model name), the accumulation
 steps at each world size (the global batch must divide), the pipeline's micro-batch rows, and the
 torchrun launch spec, validated field by field.
 
@@ -27,10 +27,9 @@ import nbformat
 
 from distlab import paths
 from distlab.cli import run_main
-from distlab.config import load_config
-from distlab.launch.jobs import TINY_CONFIG, training_spec
+from distlab.config import PIPELINE_STRATEGIES, load_config
+from distlab.launch.local import TINY_CONFIG, training_spec
 from distlab.publish.profiles import discover, load_profiles, parameters_for, selects
-from distlab.strategies import PIPELINE_STRATEGIES
 
 CONFIG_KEYS_OF_CHAPTERS = ("model", "device", "dtype", "seq_len", "micro_batch_size", "global_batch_size",
                            "max_steps", "lr", "packing", "num_threads", "stage_layers")

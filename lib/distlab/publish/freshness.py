@@ -36,8 +36,8 @@ import nbformat
 
 from distlab import paths
 from distlab.cli import run_main
+from distlab.provenance import git_commit
 from distlab.publish.profiles import discover, load_profiles, parameters_for
-from distlab.publish.provenance import git_commit
 
 # What every chapter depends on besides its notebook (tracked files only, so a clean clone agrees).
 SHARED_INPUTS = ("lib", "data", "requirements.lock")

@@ -18,8 +18,8 @@ from typing import Sequence
 
 from distlab import paths
 from distlab.cli import run_main
+from distlab.provenance import git_commit
 from distlab.publish.freshness import stale_outputs
-from distlab.publish.provenance import git_commit
 
 DEFAULT_HTML = paths.BOOK_DIR / "_build" / "html"
 BRANCH = "gh-pages"

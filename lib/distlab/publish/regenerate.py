@@ -2,7 +2,7 @@
 
     python -m distlab.publish.regenerate [--profile cpu|gpu|quick] [--only NN ...]
 
-Each `notebooks/NN_*.ipynb` runs in its own subprocess through `distlab.launch.runner.run` (own process
+Each `notebooks/NN_*.ipynb` runs in its own subprocess through `distlab.launch.process.run` (own process
 session, hard timeout, killed as a group), with parameters from `notebooks/profiles.yaml`:
 
     cpu:                      # the default profile; notebook defaults already target a 2-core CPU
@@ -18,7 +18,7 @@ at `build/regenerate/failed/` and the command ends non-zero naming the notebook 
 
 Papermill runs under a small "subreaper" shim (`python -m distlab.publish.regenerate --reap -- CMD`): the
 Jupyter kernel starts in a session of its own, and a job that a notebook launches through
-`distlab.launch.runner` gets yet another one, so when the kernel exits such a job would be re-parented to
+`distlab.launch.process` gets yet another one, so when the kernel exits such a job would be re-parented to
 init and outlive the run. Marked as child subreaper, the shim inherits these orphans and kills them
 when papermill ends (or when the runner's timeout terminates it).
 """
@@ -42,15 +42,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence, TextIO
 
 import nbformat
-import psutil
 import yaml
 
 from distlab import paths
 from distlab.cli import run_main
-from distlab.launch import runner
+from distlab.launch import process
+from distlab.provenance import git_commit
 from distlab.publish.freshness import ChapterCache, chapter_inputs
 from distlab.publish.profiles import DEFAULT_PROFILE, NOTEBOOK_RE, discover, load_profiles, parameters_for
-from distlab.publish.provenance import git_commit
 
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_KERNEL = "python3"
@@ -168,58 +167,6 @@ def _become_subreaper() -> bool:
         return False
 
 
-def kill_descendants(grace_s: float = 3.0) -> int:
-    """SIGTERM every descendant of this process, SIGKILL what is left after `grace_s`, and reap
-    them (so none stays behind as a zombie). Returns how many were found."""
-
-    me = psutil.Process()
-    total = 0
-    for _ in range(3):  # a dying parent may start a last child; look again
-        procs = me.children(recursive=True)
-        if not procs:
-            break
-        total += len(procs)
-        for sig_name in ("terminate", "kill"):
-            for p in procs:
-                try:
-                    getattr(p, sig_name)()
-                except psutil.Error:
-                    pass
-            procs = _wait_gone(procs, grace_s)
-            if not procs:
-                break
-    _reap_zombies()
-    return total
-
-
-def _wait_gone(procs: list, timeout_s: float) -> list:
-    """Wait until none of `procs` is alive (a zombie counts as gone); return those still alive."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        _reap_zombies()  # orphans re-parented to this subreaper become our children
-        procs = [p for p in procs if _alive(p)]
-        if not procs or time.monotonic() >= deadline:
-            return procs
-        time.sleep(0.05)
-
-
-def _alive(p) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _reap_zombies() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 class _Terminated(BaseException):
     pass
 
@@ -243,7 +190,7 @@ def reap_and_run(cmd: Sequence[str]) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        left = kill_descendants()
+        left = process.kill_descendants()
         if left:
             print(f"[distlab.publish.regenerate] killed {left} leftover process(es) "
                   "(started by the notebook, outliving its kernel)", flush=True)
@@ -357,7 +304,7 @@ def run_notebook(
     kernel: str | None = DEFAULT_KERNEL,
     echo: bool | Callable[[str], None] = False,
     params_dir: str | Path | None = None,
-) -> tuple[runner.RunResult, CellFailure | None]:
+) -> tuple[process.RunResult, CellFailure | None]:
     """Execute one notebook with papermill in a killable subprocess; return the run and, when it
     did not succeed, the failing (or still running) cell parsed from the executed copy."""
 
@@ -372,7 +319,7 @@ def run_notebook(
     cmd = [sys.executable, "-m", "distlab.publish.regenerate", "--reap", "--",
            *papermill_cmd(notebook, executed, params_file=params_file,
                           cwd=Path(cwd or notebook.parent), kernel=kernel)]
-    result = runner.run(cmd, timeout_s=timeout_s, log_path=log_path, env=env, echo=echo, check=False)
+    result = process.run(cmd, timeout_s=timeout_s, log_path=log_path, env=env, echo=echo, check=False)
     failure = None if result.ok else find_failing_cell(executed)
     return result, failure
 

@@ -4,7 +4,7 @@ benchmarks, the report) and the one function that computes them from step record
 The input is the training loop's step records (distlab.metrics.StepLog: one JSON object per logged step
 with step, world_size, loss, step_time_s, tokens, peak_mem_bytes and, with measure_comm, comm_time_s
 and comm_bytes), one list per rank. Rank 0 writes `train_log.jsonl`, rank r > 0 `train_log.rank{r}.jsonl`;
-the collector (distlab.results.collect) carries the same per-step lists in every rank's result record.
+the collector (distlab.results.extract) carries the same per-step lists in every rank's result record.
 
 Steady state: steps numbered above WARMUP_STEPS, on the steps every rank logged. Per step, a run's time is
 its slowest rank's (the step ends for everyone when that rank is done); then the steady steps are averaged.
@@ -14,6 +14,7 @@ The definitions of the columns are in COLUMNS below; the report prints them from
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -229,3 +230,35 @@ def add_scaling(rows: Sequence[dict[str, Any]], same_setup: Sequence[str] = ()) 
         speedup = row["tokens_per_s"] / one if one else NAN
         out.append({**row, "speedup": speedup, "scaling_efficiency": speedup / int(row["world_size"])})
     return out
+
+
+# ----------------------------------------------------------------------------- memory per rank
+
+# The parts of a rank's memory, in the order every table lists them (results records, planner tables).
+STATE_COMPONENTS = ("weights", "adapter_weights", "gradients", "optimizer_state", "activations", "buffers")
+
+
+@dataclass
+class MemoryBreakdown:
+    weights: float = 0.0  # frozen or trained base weights
+    adapter_weights: float = 0.0  # LoRA A/B (0 for full fine-tuning)
+    gradients: float = 0.0
+    optimizer_state: float = 0.0  # AdamW moments, plus DeepSpeed's fp32 master copy of trained weights
+    activations: float = 0.0
+    buffers: float = 0.0  # communication buffers: DDP buckets, FSDP all-gathers, DeepSpeed reduce buckets
+    notes: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def state(self) -> float:
+        """Weights, adapters, gradients and optimizer state: what sharding divides."""
+        return self.weights + self.adapter_weights + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: getattr(self, k) for k in STATE_COMPONENTS}
+        if not self.buffers:  # the single-device tables of chapters 01/02 have no buffers row
+            del out["buffers"]
+        return {**out, "total": self.total}

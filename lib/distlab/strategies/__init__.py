@@ -8,17 +8,23 @@ Read `base` first (the hooks the loop calls), then one file per parallelism, in 
   fsdp         FSDP2 `fully_shard`: weights, gradients and optimizer state sharded         ch. 03
   zero         DeepSpeed ZeRO stage 2 and 3                                               ch. 03
   deepspeed_runtime  DeepSpeed's start-up (JIT comm op cache) and config, for zero and ds_pipeline
-  split        cutting a decoder into stages: layer split, stage module, label-only loss   ch. 04
+  split        cutting a decoder into stage modules, label-only loss                      ch. 04
+  staged       what both pipelines share: a rank's stage, its replicas, its step         ch. 04
   pipeline     torch.distributed.pipelining (GPipe, 1F1B)                                  ch. 04
   ds_pipeline  the same split with DeepSpeed's PipelineModule                              ch. 04
 
-The names below are the one list of strategies (the launcher and the planner read them too).
-Importing this package loads no strategy: `make_strategy` imports the one a run asks for.
+The one list of strategy names is distlab.config.STRATEGY_NAMES (the config, the launcher and the planner
+read it without importing torch); the registry below maps each to its class. Importing this package
+loads no strategy: `make_strategy` imports the one a run asks for.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from distlab.config import PIPELINE_STRATEGIES, STRATEGY_NAMES
+
+__all__ = ["PIPELINE_STRATEGIES", "STRATEGY_NAMES", "make_strategy", "strategy_class"]
 
 # name -> "module:Class"; the module imports torch, DeepSpeed or pipelining only when asked for
 _REGISTRY = {
@@ -30,8 +36,7 @@ _REGISTRY = {
     "pipeline": "pipeline:PipelineStrategy",
     "ds_pipeline": "ds_pipeline:DeepSpeedPipelineStrategy",
 }
-STRATEGY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
+assert tuple(_REGISTRY) == STRATEGY_NAMES, "distlab.config.STRATEGY_NAMES and the registry list the same strategies"
 
 
 def strategy_class(name: str):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from distlab.planning.plan import ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
+from distlab.config import ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
 
 SHM_OP = "deepspeed_shm_comm"
 

@@ -48,18 +48,11 @@ from torch import nn
 
 from distlab import compat
 from distlab.device import DeviceChoice
+from distlab.layer_split import describe_split
 from distlab.models import label_loss_sum
 from distlab.strategies.base import cosine_with_warmup
 from distlab.strategies.deepspeed_runtime import init_deepspeed, pipeline_config, use_extensions_cache
-from distlab.strategies.split import (
-    StageMasks,
-    decoder_parts,
-    describe_split,
-    is_tied,
-    layer_types,
-    run_layer,
-    stack_microbatches,
-)
+from distlab.strategies.split import StageMasks, decoder_parts, is_tied, layer_types, run_layer, stack_microbatches
 from distlab.strategies.staged import StagedStrategy
 
 # --------------------------------------------------------------------------- layers (one tuple in, one out)

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from distlab.device import DeviceChoice, autocast
+from distlab.layer_split import describe_split
 from distlab.strategies.base import cosine_with_warmup
-from distlab.strategies.split import describe_split, is_tied, stack_microbatches
+from distlab.strategies.split import is_tied, stack_microbatches
 from distlab.strategies.staged import StagedStrategy
 
 SCHEDULES = ("gpipe", "1f1b")

@@ -7,9 +7,7 @@ travel with every micro-batch; only the hidden states cross stage boundaries. Th
 found on any Llama/Qwen2-style transformers model (embed_tokens, layers, norm, rotary_emb, an
 output-embedding head), also under a PEFT LoRA wrapper.
 
-The split (`split_layers`): balanced by layer count by default (the extra layers of an uneven
-division go to the earlier stages, since the last stage also carries the LM head), or an explicit
-list `stage_layers` of layer counts per stage.
+Which layers each stage holds is distlab.layer_split's arithmetic (torch-free: the planner uses it too).
 """
 
 from __future__ import annotations
@@ -22,39 +20,6 @@ from torch import nn
 
 from distlab.data import IGNORE_INDEX
 from distlab.models import label_loss_sum
-
-
-def split_layers(num_layers: int, num_stages: int, stage_layers: list[int] | None = None) -> list[range]:
-    """Decoder-layer indices of each stage: balanced by count, or `stage_layers` counts per stage."""
-    if num_stages < 1:
-        raise ValueError(f"pipeline_stages={num_stages}: need at least 1 stage")
-    if stage_layers is not None:
-        counts = [int(c) for c in stage_layers]
-        if len(counts) != num_stages:
-            raise ValueError(f"stage_layers={stage_layers} has {len(counts)} entries for {num_stages} stages")
-        if any(c < 0 for c in counts) or sum(counts) != num_layers:
-            raise ValueError(f"stage_layers={stage_layers} must be non-negative and sum to the model's "
-                             f"{num_layers} decoder layers")
-    else:
-        if num_layers < num_stages:
-            raise ValueError(f"{num_layers} decoder layers cannot fill {num_stages} stages")
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
-
-
-def describe_split(ranges: list[range]) -> list[str]:
-    """Human-readable stage contents, e.g. ['stage 0: embeddings + layers 0-1', ...]."""
-    out = []
-    for s, r in enumerate(ranges):
-        parts = (["embeddings"] if s == 0 else []) + ([f"layers {r.start}-{r.stop - 1}"] if len(r) else [])
-        parts += ["norm + LM head + loss"] if s == len(ranges) - 1 else []
-        out.append(f"stage {s}: " + " + ".join(parts))
-    return out
 
 
 def decoder_parts(causal) -> tuple[Any, Any]:

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from distlab.device import DeviceChoice, autocast
+from distlab.layer_split import split_layers
 from distlab.strategies.base import DistributedStrategy, load_trained_weights, trained_weights
-from distlab.strategies.split import PipelinedModel, StageModule, drop_other_stages, split_layers, stack_microbatches
+from distlab.strategies.split import PipelinedModel, StageModule, drop_other_stages, stack_microbatches
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 

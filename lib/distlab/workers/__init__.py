@@ -1,12 +1,13 @@
 """Programs that run inside torchrun ranks (`python -m distlab.workers.<name>`).
 
-Each one is launched from a notebook through `distlab.launch.runner.run`, so a hang or a crash is
+Each one is launched from a notebook through `distlab.launch.process.run`, so a hang or a crash is
 killed as a process group and reported with the failing rank's last lines. Rank 0 writes the
 result as JSON (`write_result`) to the path given with `--out`; the launching side parses it.
 
   fingerprint      every rank reports its software/hardware fingerprint; rank 0 flags mismatches
   allreduce_bench  all-reduce bandwidth over a message-size sweep (algbw and busbw, as nccl-tests)
   layer_times      forward+backward time of each model part on each host (chapter 05's pipeline split)
+  launcher         launching them under torchrun: run_worker, run_fingerprint, run_allreduce_bench
 """
 
 from __future__ import annotations

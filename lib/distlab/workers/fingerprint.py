@@ -1,6 +1,6 @@
 """Every rank computes `envcheck.fingerprint()`; rank 0 gathers them and flags differences.
 
-Launched by `distlab.measure.envcheck.run_fingerprint` (one node or several; see its docstring):
+Launched by `distlab.workers.launcher.run_fingerprint` (one node or several; see its docstring):
 
     torchrun --standalone --nproc-per-node 2 -m distlab.workers.fingerprint --out fp.json
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distlab import faults
 from distlab.cli import run_main
 from distlab.config import load_config, parse_override
 from distlab.data import model_inputs
-from distlab.lan import slowdown
-from distlab.launch.jobs import TINY_CONFIG
+from distlab.launch.local import TINY_CONFIG
 from distlab.prepare import prepare_run
 from distlab.strategies.single import SingleDevice
 from distlab.strategies.split import StageModule
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         batch = model_inputs(train_data.batch(list(range(args.rows))), choice.device)
         mine = {}
         for name, (module, make) in model_parts(model, batch).items():
-            slowdown.install(module)  # the emulated slow host is slow here too
+            faults.install_slowdown(module)  # the emulated slow host is slow here too
             mine[name] = time_part(module, make, args.iters)
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)

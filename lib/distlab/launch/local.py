@@ -1,5 +1,5 @@
 """Launch a training run locally the way a practitioner would on a cluster: write the torchrun
-script with distlab.launch, then run it with distlab.launch.runner (own process group, timeout, output
+script with distlab.launch, then run it with distlab.launch.process (own process group, timeout, output
 streamed into the notebook, every process killed on failure).
 
     job = launch_training("ddp_ws2", world_size=2, overrides={"strategy": "ddp", "max_steps": 50})
@@ -18,11 +18,11 @@ from typing import Any, Mapping
 
 import yaml
 
-from distlab.launch.runner import RunResult, run
+from distlab.config import PIPELINE_STRATEGIES
+from distlab.launch.process import RunResult, run
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import write_scripts
 from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
-from distlab.strategies import PIPELINE_STRATEGIES
 
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
 SCRIPTS_DIR = BUILD_DIR / "launch"

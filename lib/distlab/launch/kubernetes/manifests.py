@@ -17,19 +17,19 @@ The shape, built-in resources only (no operator or CRD to install first):
   emptyDir (container runtimes default to 64 MiB, too little for NCCL's shared-memory buffers and
   DataLoader workers); MASTER_ADDR = `<job>-0.<service>`; activeDeadlineSeconds as the cluster's
   backstop behind the entrypoint's own timeout. Labels `distlab.io/run=<job>` select a run's pods for
-  the collector (distlab.launch.kubecollect);
+  the collector (distlab.launch.kubernetes.collect);
 - the entrypoint, the container's command (bash): node rank from JOB_COMPLETION_INDEX, a bounded wait for
   the master's DNS name, then the same torchrun invocation as distlab.launch.torchrun writes
   (torchrun_flags, the spec's environment and network preset), under the same hard timeout;
 - a Dockerfile: torch 2.13.0 first, then the package with requirements.lock as constraints, the
   default model pre-staged and HF_HUB_OFFLINE=1, so that the pods never reach the Hub.
 
-The entrypoint and the Dockerfile are written by distlab.launch.kubepod, validation (offline) is in
-distlab.launch.kubecheck, collecting results in distlab.launch.kubecollect; the command line for both is
-distlab.launch.k8s:
+The entrypoint and the Dockerfile are written by distlab.launch.kubernetes.pod, validation (offline) is in
+distlab.launch.kubernetes.checks, collecting results in distlab.launch.kubernetes.collect; the command line for both is
+distlab.launch.kubernetes.cli:
 
-    python -m distlab.launch.k8s validate FILES...
-    python -m distlab.launch.k8s collect --namespace NS --run NAME [--out DIR]
+    python -m distlab.launch.kubernetes validate FILES...
+    python -m distlab.launch.kubernetes collect --namespace NS --run NAME [--out DIR]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Sequence
 import yaml
 
 from distlab.launch.generated import GENERATED_MARK
-from distlab.launch.kubepod import APP_DIR, DOCKERIGNORE, K8S_DIR, render_dockerfile, render_entrypoint
+from distlab.launch.kubernetes.pod import APP_DIR, DOCKERIGNORE, K8S_DIR, render_dockerfile, render_entrypoint
 from distlab.launch.spec import LaunchSpec
 
 NAMESPACE = "distlab-bench"

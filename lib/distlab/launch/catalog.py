@@ -1,13 +1,13 @@
-"""The repository's launch/ folder: the enterprise demo's launch matrix, written from `SEED_MATRIX`, and
+"""The repository's launch/ folder: the enterprise demo's launch matrix, written from `DEMO_MATRIX`, and
 the strategy benchmark on Kubernetes in launch/k8s/, written from `KUBE_MATRIX`.
 
     python -m distlab.launch regenerate   # rewrite launch/ (and launch/k8s/) from the two matrices
     python -m distlab.launch check        # exit 1 naming every file that differs from the writer
 
-Each SEED_MATRIX row is one run of the enterprise assistant's LoRA fine-tuning with DDP (1 GPU, 4 GPUs,
-and two LAN nodes of 4 GPUs); `seed_spec` turns a row into a LaunchSpec, torchrun.py writes it. Each
+Each DEMO_MATRIX row is one run of the enterprise assistant's LoRA fine-tuning with DDP (1 GPU, 4 GPUs,
+and two LAN nodes of 4 GPUs); `demo_spec` turns a row into a LaunchSpec, torchrun.py writes it. Each
 KUBE_MATRIX row is one Indexed Job of the benchmark-framework seed (a 1-GPU smoke job, then DDP, FSDP,
-ZeRO-2 and ZeRO-3 on 2 and 4 pods of one GPU); `kube_job` turns a row into a KubeJob, kubernetes.py
+ZeRO-2 and ZeRO-3 on 2 and 4 pods of one GPU); `kube_job` turns a row into a KubeJob, manifests.py
 writes its manifest and entrypoint, plus the shared Namespace, Service and Dockerfile.
 """
 
@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Sequence
 
 from distlab.config import load_config
-from distlab.launch import kubernetes
 from distlab.launch.generated import GENERATED_MARK, check_dir, regenerate
-from distlab.launch.kubernetes import KubeJob, kube_spec
-from distlab.launch.kubernetes import render_files as render_kube
+from distlab.launch.kubernetes import manifests
+from distlab.launch.kubernetes.manifests import KubeJob, kube_spec
+from distlab.launch.kubernetes.manifests import render_files as render_kube
 from distlab.launch.network import describe
-from distlab.launch.slurm import example_files as slurm_files
+from distlab.launch.sbatch import example_files as slurm_files
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, render_files
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
@@ -34,11 +34,11 @@ LAN_MASTER = "192.168.1.100"  # the LAN seed's master node; workers at .101, .10
 LAN_WORKER = "192.168.1.101"
 LAN_PORT = 29500
 LAN_IFNAME = "eth0"  # placeholder: the NIC on 192.168.1.0/24, see `ip -br addr` on each node
-GENERATOR_FILE = "lib/distlab/launch/seeds.py"  # named in launch/README.md
+GENERATOR_FILE = "lib/distlab/launch/catalog.py"  # named in launch/README.md
 
 
 @dataclass(frozen=True)
-class SeedRun:
+class DemoRun:
     """One row of the enterprise demo's launch matrix."""
 
     name: str
@@ -49,17 +49,17 @@ class SeedRun:
     timeout_s: int  # several times the expected duration: a hard stop, not a schedule
 
 
-SEED_MATRIX: tuple[SeedRun, ...] = (
-    SeedRun("run_1gpu", nnodes=1, gpus_per_node=1, max_steps=80, purpose="baseline throughput",
+DEMO_MATRIX: tuple[DemoRun, ...] = (
+    DemoRun("run_1gpu", nnodes=1, gpus_per_node=1, max_steps=80, purpose="baseline throughput",
             timeout_s=2 * 3600),
-    SeedRun("run_4gpu", nnodes=1, gpus_per_node=4, max_steps=150, purpose="main live demo",
+    DemoRun("run_4gpu", nnodes=1, gpus_per_node=4, max_steps=150, purpose="main live demo",
             timeout_s=3600),
-    SeedRun("run_2node_8gpu", nnodes=2, gpus_per_node=4, max_steps=200,
+    DemoRun("run_2node_8gpu", nnodes=2, gpus_per_node=4, max_steps=200,
             purpose="precomputed scaling over the LAN", timeout_s=2 * 3600),
 )
 
 
-def seed_spec(row: SeedRun) -> LaunchSpec:
+def demo_spec(row: DemoRun) -> LaunchSpec:
     """The LaunchSpec of one matrix row; batch sizes come from the config file itself."""
     cfg = load_config(REPO_ROOT / ENTERPRISE_CONFIG)
     env = {"OMP_NUM_THREADS": "1"}
@@ -84,12 +84,12 @@ def seed_spec(row: SeedRun) -> LaunchSpec:
                       master_port=LAN_PORT, hosts=[LAN_MASTER, LAN_WORKER][:row.nnodes])
 
 
-def render_seed_readme(matrix: Sequence[SeedRun] = SEED_MATRIX) -> str:
-    specs = [(row, seed_spec(row)) for row in matrix]
+def render_demo_readme(matrix: Sequence[DemoRun] = DEMO_MATRIX) -> str:
+    specs = [(row, demo_spec(row)) for row in matrix]
     lines = [
         "# Launch scripts",
         "",
-        f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `SEED_MATRIX` in "
+        f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `DEMO_MATRIX` in "
         f"`{GENERATOR_FILE}`): do not edit them by hand. `python -m distlab.launch check`, and the "
         "test suite, fail when these files differ from what the generator writes.",
         "",
@@ -172,12 +172,12 @@ def kube_job(row: KubeRun):
 
 
 def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
-    ns, svc = kubernetes.NAMESPACE, kubernetes.SERVICE
+    ns, svc = manifests.NAMESPACE, manifests.SERVICE
     lines = [
         "# The strategy benchmark on Kubernetes",
         "",
         f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `KUBE_MATRIX` in `{GENERATOR_FILE}`; "
-        "the shapes in `lib/distlab/launch/kubernetes.py`): do not edit them by hand. `python -m distlab.launch "
+        "the shapes in `lib/distlab/launch/manifests.py`): do not edit them by hand. `python -m distlab.launch "
         "check`, and the test suite, fail when these files differ from what the generator writes.",
         "",
         "**Validated offline, not run on a cluster.** Every manifest passes strict schema validation for "
@@ -210,17 +210,17 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
         "",
         "```bash",
         f"docker build -f launch/k8s/Dockerfile -t {K8S_IMAGE} . && docker push {K8S_IMAGE}",
-        "python -m distlab.launch.k8s validate launch/k8s          # offline: schema + distlab's checks",
+        "python -m distlab.launch.kubernetes validate launch/k8s          # offline: schema + distlab's checks",
         "kubectl apply -f launch/k8s/namespace.yaml -f launch/k8s/service.yaml",
         "kubectl apply -f launch/k8s/jobs/smoke-1gpu.yaml",
         f"kubectl wait --namespace {ns} --for=condition=complete job/smoke-1gpu --timeout=30m",
-        f"python -m distlab.launch.k8s collect --namespace {ns} --run smoke-1gpu --out build/k8s",
+        f"python -m distlab.launch.kubernetes collect --namespace {ns} --run smoke-1gpu --out build/k8s",
         f"kubectl delete --namespace {ns} job/smoke-1gpu",
         "```",
         "",
         "`collect` reads each pod's whole log (`kubectl logs`, one pod at a time) and checks every rank's result; "
         "`build/k8s/<job>/` then holds the logs, `console.log` and `results.json`, and "
-        "`distlab.results.collect.collect_run('build/k8s/<job>')` reads it like a local run.",
+        "`distlab.results.extract.collect_run('build/k8s/<job>')` reads it like a local run.",
         "",
         f"## Network: `{K8S_NETWORK}`",
         "",
@@ -254,14 +254,14 @@ def kube_files(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> dict[str, str]:
     return files
 
 
-def seed_files(matrix: Sequence[SeedRun] = SEED_MATRIX,
+def launch_files(matrix: Sequence[DemoRun] = DEMO_MATRIX,
                kube_matrix: Sequence[KubeRun] | None = KUBE_MATRIX) -> dict[str, str]:
     """Relative path under launch/ -> content, for the whole matrix plus launch/README.md, and the
     Kubernetes benchmark under k8s/ (kube_matrix=None: without it)."""
     files: dict[str, str] = {}
     for row in matrix:
-        files.update(render_files(seed_spec(row), row.name))
-    files["README.md"] = render_seed_readme(matrix)
+        files.update(render_files(demo_spec(row), row.name))
+    files["README.md"] = render_demo_readme(matrix)
     if kube_matrix:
         files.update({f"k8s/{rel}": text for rel, text in kube_files(kube_matrix).items()})
     files.update({f"slurm/{rel}": text for rel, text in slurm_files().items()})
@@ -271,11 +271,11 @@ def seed_files(matrix: Sequence[SeedRun] = SEED_MATRIX,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlab.launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["regenerate", "check"],
-                    help="regenerate: rewrite the folder from SEED_MATRIX and KUBE_MATRIX; check: exit 1 if it "
+                    help="regenerate: rewrite the folder from DEMO_MATRIX and KUBE_MATRIX; check: exit 1 if it "
                          "differs")
     ap.add_argument("--dir", type=Path, default=LAUNCH_DIR, help="the launch folder (default: launch/)")
     args = ap.parse_args(argv)
-    files = seed_files()
+    files = launch_files()
     shown = _shown(args.dir)
     if args.command == "regenerate":
         written = regenerate(args.dir, files)

@@ -1,9 +1,9 @@
 """A Kubernetes run's results, from its pods' logs: `kubectl logs` of every pod, read by the marker collector.
 
-    python -m distlab.launch.k8s collect --namespace distlab-bench --run ddp-2gpu --out build/k8s
+    python -m distlab.launch.kubernetes collect --namespace distlab-bench --run ddp-2gpu --out build/k8s
 
 A finished pod's files are gone with it; its log stays until the Job is deleted. Every rank printed its
-result between DISTLAB_RESULT markers (distlab.results.collect), so the pods' logs are all the collector
+result between DISTLAB_RESULT markers (distlab.results.extract), so the pods' logs are all the collector
 needs. The pods are found by the run's label (`distlab.io/run=<run>`); each pod's whole log is read with
 its own `kubectl logs` (with a label selector instead, kubectl shows only the last 10 lines of each pod).
 When Kubernetes replaced a failed pod, the newest pod of each completion index is read. The records go
@@ -21,8 +21,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping
 
-from distlab.launch.kubernetes import LABEL_RUN
-from distlab.results.collect import ResultLogError, extract_results
+from distlab.launch.kubernetes.manifests import LABEL_RUN
+from distlab.results.extract import ResultLogError, extract_results
 
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # annotation (and, since 1.28, label) of Indexed Job pods
 KUBECTL_TIMEOUT_S = 120

@@ -1,6 +1,6 @@
 """Offline validation of Kubernetes manifests: the API schema, and what the schema cannot see.
 
-    python -m distlab.launch.k8s validate launch/k8s       # every *.yaml under the folder
+    python -m distlab.launch.kubernetes validate launch/k8s       # every *.yaml under the folder
     problems = validate_files(["launch/k8s"])                     # {file: [Problem, ...]}, [] when OK
 
 No cluster is needed, nor reachable here (`kubectl --dry-run=client` still asks a server for its API
@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 import yaml
 
-from distlab.launch.kubernetes import DNS_1035_RE, DNS_LABEL_RE, LABEL_RUN
+from distlab.launch.kubernetes.manifests import DNS_1035_RE, DNS_LABEL_RE, LABEL_RUN
 
 VERSIONS = ("1.30", "1.34")
 CHECKS = ("schema", "names", "pod-hostname", "completion-mode", "parallelism", "restart-policy", "headless-service",

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 import psutil
 
-from distlab.publish.provenance import save_figure
+from distlab.provenance import save_figure
 
 FIELDS = ["t_s", "source", "id", "label", "util_pct", "mem_mib"]
 MAX_ERRORS = 20  # a failing probe repeats every tick; the first few say everything

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from distlab.metrics import read_log
-from distlab.publish.provenance import save_figure, save_table
+from distlab.provenance import save_figure, save_table
 from distlab.results import schema
 
 # The scaling table's columns, all from the schema.

@@ -1,4 +1,4 @@
-"""The pod's side of a KubeJob (distlab.launch.kubernetes): the entrypoint script every pod runs, and the
+"""The pod's side of a KubeJob (distlab.launch.kubernetes.manifests): the entrypoint script every pod runs, and the
 Dockerfile of the image it runs in.
 
 The entrypoint (bash, the container's command): the node rank from JOB_COMPLETION_INDEX (a clear error
@@ -21,10 +21,10 @@ from distlab.launch.generated import GENERATED_MARK
 from distlab.launch.torchrun import command_text, env_lines, plural, python_lines, torchrun_flags
 
 if TYPE_CHECKING:
-    from distlab.launch.kubernetes import KubeJob
+    from distlab.launch.kubernetes.manifests import KubeJob
 
 APP_DIR = "/app"  # the repository root inside the image
-K8S_DIR = "launch/k8s"  # where distlab.launch.kubernetes.render_files' output lives in the repository (and the image)
+K8S_DIR = "launch/k8s"  # where manifests.render_files' output lives in the repository (and the image)
 # Placeholders torchrun_flags fills in; the entrypoint turns them into the shell variables it computed.
 _SHELL_VALUES = {"@NODE_RANK@": '"$node_rank"', "@MASTER_ADDR@": '"$MASTER_ADDR"', "@MASTER_PORT@": '"$MASTER_PORT"'}
 

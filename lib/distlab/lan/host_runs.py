@@ -1,5 +1,5 @@
 """torchrun across the emulated hosts: one agent per host, each from the per-node script distlab.launch
-writes, each started inside its host (namespace, CPU share, memory cap) through distlab.launch.runner.
+writes, each started inside its host (namespace, CPU share, memory cap) through distlab.launch.process.
 
     placement = place(3)                       # the namespace cluster if this machine can build one
     with placement.running():
@@ -31,8 +31,8 @@ from typing import Any, Callable, Mapping, Sequence
 from distlab.lan import hosts
 from distlab.lan.cgroups import HostLimits, Throttle
 from distlab.lan.cgroups import supported as cgroups_supported
-from distlab.launch.jobs import TINY_CONFIG, training_spec
-from distlab.launch.runner import RunResult, run
+from distlab.launch.local import TINY_CONFIG, training_spec
+from distlab.launch.process import RunResult, run
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import write_scripts
 from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR

@@ -92,7 +92,7 @@ def elapsed_s(text: str) -> int:
 def run_spec(cluster: Cluster, spec, timeout_s: float, env: dict | None = None, root: str | Path | None = None):
     """Write a SlurmSpec's scripts under `root` (the repository), submit them from there, wait for the end;
     returns (job id, completion record). The log folder is created first: Slurm opens --output itself."""
-    from distlab.launch.slurm import write_files  # deferred: distlab.launch loads the strategies
+    from distlab.launch.sbatch import write_files  # deferred: distlab.launch loads the strategies
 
     root = Path(root or REPO_ROOT)
     write_files(spec, root)

@@ -9,6 +9,11 @@ Not every descendant stays in the group: torchrun starts each rank in a session 
 daemon may do the same. While the job runs, its process tree is sampled every TRACK_INTERVAL_S, so
 such descendants are killed at the end too, even when the process that started them has died
 first (torchrun killed by the OOM killer leaves its ranks behind otherwise).
+
+Two ways to kill a tree, for two callers: `kill_group` kills a job this process launched in a session
+of its own (its process group, plus the descendants that left it); `kill_descendants` kills every
+descendant of this process itself and reaps them, for a child subreaper that has inherited orphans
+(the notebook shim of distlab.publish.regenerate).
 """
 
 from __future__ import annotations
@@ -158,6 +163,55 @@ def _alive_group(pgid: int) -> bool:
         except (ProcessLookupError, psutil.Error):
             pass
     return False
+
+
+def kill_descendants(grace_s: float = 3.0) -> int:
+    """SIGTERM every descendant of this process, SIGKILL what is left after `grace_s`, and reap
+    them (so none stays behind as a zombie). Returns how many were found.
+
+    Unlike kill_group this signals processes one by one, whatever their group, and waits for its
+    own children: meant for a child subreaper, to which orphans that left their session are
+    re-parented."""
+
+    me = psutil.Process()
+    total = 0
+    for _ in range(3):  # a dying parent may start a last child; look again
+        procs = me.children(recursive=True)
+        if not procs:
+            break
+        total += len(procs)
+        for sig_name in ("terminate", "kill"):
+            for p in procs:
+                try:
+                    getattr(p, sig_name)()
+                except psutil.Error:
+                    pass
+            procs = _wait_gone(procs, grace_s)
+            if not procs:
+                break
+    _reap_zombies()
+    return total
+
+
+def _wait_gone(procs: list, timeout_s: float) -> list:
+    """Wait until none of `procs` is alive (a zombie counts as gone); return those still alive."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _reap_zombies()  # orphans re-parented to this subreaper become our children
+        procs = [p for p in procs if _running(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        time.sleep(0.05)
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def run(

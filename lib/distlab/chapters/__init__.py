@@ -1,0 +1,10 @@
+"""Each chapter's plumbing: the sweeps, tables and figures its notebook calls once per cell, so that the
+notebook holds the narrative, the mechanism and the results. A notebook imports its own module under
+one name (`from distlab.chapters import ch04`), so a reader sees where every cell's code lives.
+These modules sit at the top of the library: they may import anything below, and nothing below imports
+them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
+
+  ch01  one device: a real step's memory against the planner (measure_training_memory)
+  ch04  pipeline training: the bubble sweeps over micro-batches and schedules, the strategy table's rows, and
+        the timeline plots (the bubble's theory and reading of a timeline: distlab.measure.bubble)
+"""
