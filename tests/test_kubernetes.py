@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab import launch
-from distlab.launch import catalog, network, process
+from distlab.launch import catalog, generated, network, process, torchrun
 from distlab.launch.kubernetes import checks, cli, collect, manifests
 from distlab.launch.kubernetes.checks import CHECKS, Doc
 from distlab.launch.kubernetes.manifests import KubeJob, KubeJobError, kube_spec
@@ -77,7 +76,7 @@ def test_every_launch_target_takes_a_preset_and_the_spec_env_wins():
                       master_addr="192.168.1.100", network="lan-ethernet", env={"NCCL_SOCKET_IFNAME": "enp5s0"},
                       hosts=["192.168.1.100", "192.168.1.101"])
     assert spec.effective_env == {"NCCL_SOCKET_IFNAME": "enp5s0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
-    files = launch.render_files(spec, "lan")  # per-node scripts and their README
+    files = torchrun.render_files(spec, "lan")  # per-node scripts and their README
     preset = network.get_preset("lan-ethernet")
     for rel in ("lan/node0.sh", "lan/node1.sh"):
         text = files[rel]
@@ -86,7 +85,7 @@ def test_every_launch_target_takes_a_preset_and_the_spec_env_wins():
         assert f"# NCCL_IB_DISABLE: {preset.reasons['NCCL_IB_DISABLE']}\nexport NCCL_IB_DISABLE=1\n" in text
     assert "NCCL_SOCKET_IFNAME=enp5s0, GLOO_SOCKET_IFNAME=eth0" in files["lan/README.md"]
     assert "GLOO_SOCKET_IFNAME=eth0 python -m torch.distributed.run" in files["lan/README.md"]
-    one = launch.render_script(LaunchSpec(nproc_per_node=2, network="cloud-no-rdma"))  # a one-node script
+    one = torchrun.render_script(LaunchSpec(nproc_per_node=2, network="cloud-no-rdma"))  # a one-node script
     assert "export NCCL_NSOCKS_PERTHREAD=4\n" in one
     entry = manifests.render_entrypoint(catalog.kube_job(ROWS["ddp-2gpu"]))  # a Kubernetes entrypoint
     assert "# Network preset: cloud-no-rdma" in entry and "export NCCL_SOCKET_NTHREADS=4\n" in entry
@@ -94,16 +93,16 @@ def test_every_launch_target_takes_a_preset_and_the_spec_env_wins():
 
 def test_no_preset_leaves_the_scripts_as_they_were():
     spec = LaunchSpec(nproc_per_node=2, env={"OMP_NUM_THREADS": "1"})
-    assert spec.effective_env == spec.env and "Network preset" not in launch.render_script(spec)
+    assert spec.effective_env == spec.env and "Network preset" not in torchrun.render_script(spec)
     # (the golden files of tests/test_launch.py pin the exact text of scripts without a preset)
 
 
 # ------------------------------------------------------------------ manifests
 
 def test_committed_k8s_folder_is_what_the_writer_writes():
-    problems = launch.check_dir(K8S, catalog.kube_files())
+    problems = generated.check_dir(K8S, catalog.kube_files())
     assert problems == [], "launch/k8s/ is stale; run `python -m distlab.launch regenerate`:\n" + "\n".join(problems)
-    assert {f"k8s/{rel}" for rel in catalog.kube_files()} <= set(launch.launch_files())  # `check` covers it
+    assert {f"k8s/{rel}" for rel in catalog.kube_files()} <= set(catalog.launch_files())  # `check` covers it
 
 
 def test_the_matrix_is_the_seeds_benchmark():

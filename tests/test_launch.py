@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab import launch
 from distlab.config import load_config
-from distlab.launch import LaunchSpec, LaunchSpecError, catalog, process
+from distlab.launch import catalog, generated, process, torchrun
+from distlab.launch.spec import LaunchSpec, LaunchSpecError
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
 
 GOLDEN = Path(__file__).parent / "golden" / "launch"
@@ -62,7 +62,7 @@ GOLDEN_SPECS = {
 
 
 def rendered(name: str) -> dict[str, str]:
-    return launch.render_files(GOLDEN_SPECS[name], name)
+    return torchrun.render_files(GOLDEN_SPECS[name], name)
 
 
 def scripts_of(files: dict[str, str]) -> dict[str, str]:
@@ -87,9 +87,9 @@ def test_rendered_files_match_golden(name):
 
 
 def test_layout_one_node_is_a_script_several_are_a_folder(tmp_path):
-    one = launch.write_scripts(GOLDEN_SPECS["tiny_ddp_cpu"], tmp_path, "one")
+    one = torchrun.write_scripts(GOLDEN_SPECS["tiny_ddp_cpu"], tmp_path, "one")
     assert one == [tmp_path / "one.sh"]
-    many = launch.write_scripts(GOLDEN_SPECS["lan_c10d"], tmp_path, "many")
+    many = torchrun.write_scripts(GOLDEN_SPECS["lan_c10d"], tmp_path, "many")
     assert sorted(p.relative_to(tmp_path).as_posix() for p in many) == \
         ["many/README.md", "many/node0.sh", "many/node1.sh", "many/node2.sh"]
     for p in one + many:
@@ -205,9 +205,9 @@ def test_invalid_after_construction_is_caught_when_rendering():
     spec = LaunchSpec(**BASE)
     spec.nproc_per_node = 0
     with pytest.raises(LaunchSpecError, match="nproc_per_node"):
-        launch.render_script(spec)
+        torchrun.render_script(spec)
     with pytest.raises(LaunchSpecError, match="name"):
-        launch.render_files(LaunchSpec(**BASE), "../escape")
+        torchrun.render_files(LaunchSpec(**BASE), "../escape")
 
 
 @pytest.mark.parametrize("name", ["TOKENIZERS_PARALLELISM", "NCCL_SOCKET_IFNAME", "NCCL_IB_PKEY", "MONKEY_PATCH",
@@ -252,9 +252,9 @@ def shellcheck():
 def all_scripts(tmp_path: Path) -> list[Path]:
     paths = []
     for name in GOLDEN_SPECS:
-        paths += [p for p in launch.write_scripts(GOLDEN_SPECS[name], tmp_path / "golden", name) if p.suffix == ".sh"]
-    paths += launch.write_scripts(nasty_spec(), tmp_path, "nasty")
-    paths += launch.write_scripts(nasty_spec(python="/opt/odd dir/$(x)/py"), tmp_path, "nasty_python")
+        paths += [p for p in torchrun.write_scripts(GOLDEN_SPECS[name], tmp_path / "golden", name) if p.suffix == ".sh"]
+    paths += torchrun.write_scripts(nasty_spec(), tmp_path, "nasty")
+    paths += torchrun.write_scripts(nasty_spec(python="/opt/odd dir/$(x)/py"), tmp_path, "nasty_python")
     paths += sorted(LAUNCH_DIR.rglob("*.sh"))
     return paths
 
@@ -276,7 +276,7 @@ def exec_command(script: str) -> list[str]:
 
 
 def test_quoting_round_trips_through_shlex():
-    script = launch.render_script(nasty_spec())
+    script = torchrun.render_script(nasty_spec())
     words = exec_command(script)
     assert words[:5] == ["exec", "timeout", "--foreground", "--kill-after=60s", "60s"]
     assert words[5:8] == ["$PYTHON", "-m", "torch.distributed.run"]  # "$PYTHON" stays a quoted expansion
@@ -316,7 +316,7 @@ def test_quoted_values_reach_the_program_verbatim(tmp_path):
     every argument, the env value and the log folder arrive byte for byte, nothing is executed."""
     odd = fake_python(tmp_path / "odd dir $(touch PWNED8) `touch PWNED9` 'q'")
     spec = nasty_spec(python=str(odd))
-    script = launch.write_scripts(spec, tmp_path / "scripts", "nasty")[0]
+    script = torchrun.write_scripts(spec, tmp_path / "scripts", "nasty")[0]
     work = tmp_path / "work"
     work.mkdir()
     argv = run_fake(script, work, tmp_path / "argv")
@@ -335,41 +335,41 @@ def test_quoted_values_reach_the_program_verbatim(tmp_path):
 # ------------------------------------------------------------------ launch/ and the seed matrix
 
 def test_checked_in_launch_folder_matches_the_writer():
-    problems = launch.check_dir(LAUNCH_DIR, launch.launch_files())
+    problems = generated.check_dir(LAUNCH_DIR, catalog.launch_files())
     assert problems == [], "launch/ is stale; run `python -m distlab.launch regenerate`:\n" + "\n".join(problems)
 
 
 def test_check_reports_every_kind_of_difference_and_regenerate_repairs(tmp_path, capsys):
     root = tmp_path / "launch"
-    files = launch.launch_files()
-    launch.regenerate(root, files)
-    assert launch.main(["check", "--dir", str(root)]) == 0
+    files = catalog.launch_files()
+    generated.regenerate(root, files)
+    assert catalog.main(["check", "--dir", str(root)]) == 0
     (root / "run_4gpu.sh").write_text((root / "run_4gpu.sh").read_text().replace("150", "151"))
     (root / "run_1gpu.sh").chmod(0o644)
     (root / "run_2node_8gpu" / "node1.sh").unlink()
-    (root / "old_run.sh").write_text(f"# {launch.GENERATED_MARK}\n")
+    (root / "old_run.sh").write_text(f"# {generated.GENERATED_MARK}\n")
     (root / "notes.txt").write_text("mine\n")
     capsys.readouterr()
-    assert launch.main(["check", "--dir", str(root)]) == 1
+    assert catalog.main(["check", "--dir", str(root)]) == 1
     out = capsys.readouterr().out
     for expected in ["run_4gpu.sh: differs", "run_1gpu.sh: should be executable", "run_2node_8gpu/node1.sh: missing",
                      "old_run.sh: not produced", "notes.txt: not produced"]:
         assert expected in out
-    assert launch.main(["regenerate", "--dir", str(root)]) == 0
-    assert launch.check_dir(root, files) == ["notes.txt: not produced by the generator (stale or hand-written)"]
+    assert catalog.main(["regenerate", "--dir", str(root)]) == 0
+    assert generated.check_dir(root, files) == ["notes.txt: not produced by the generator (stale or hand-written)"]
     assert not (root / "old_run.sh").exists() and (root / "notes.txt").exists()
 
 
 def test_seed_matrix_follows_the_enterprise_and_lan_seeds():
-    rows = {row.name: row for row in launch.DEMO_MATRIX}
+    rows = {row.name: row for row in catalog.DEMO_MATRIX}
     assert {n: (r.nnodes, r.gpus_per_node, r.max_steps) for n, r in rows.items()} == {
         "run_1gpu": (1, 1, 80), "run_4gpu": (1, 4, 150), "run_2node_8gpu": (2, 4, 200)}
-    files = launch.launch_files()  # launch/k8s/ is tested in tests/test_kubernetes.py, launch/slurm/ in test_slurm.py
+    files = catalog.launch_files()  # launch/k8s/ is tested in tests/test_kubernetes.py, launch/slurm/ in test_slurm.py
     assert sorted(f for f in files if not f.startswith(("k8s/", "slurm/"))) == [
         "README.md", "run_1gpu.sh", "run_2node_8gpu/README.md", "run_2node_8gpu/node0.sh", "run_2node_8gpu/node1.sh",
         "run_4gpu.sh"]
     for name, row in rows.items():
-        spec = launch.demo_spec(row)
+        spec = catalog.demo_spec(row)
         assert spec.args[:6] == ["--config", "lib/distlab/configs/enterprise_7b_lora.yaml", "--set", "strategy=ddp",
                                  "--set", f"max_steps={row.max_steps}"]
         assert spec.log_dir.startswith("logs/")
@@ -377,7 +377,7 @@ def test_seed_matrix_follows_the_enterprise_and_lan_seeds():
     # The README names the file that holds DEMO_MATRIX: it must be that file.
     assert "DEMO_MATRIX" in (REPO_ROOT / catalog.GENERATOR_FILE).read_text()
     assert f"`{catalog.GENERATOR_FILE}`" in files["README.md"]
-    two = launch.demo_spec(rows["run_2node_8gpu"])
+    two = catalog.demo_spec(rows["run_2node_8gpu"])
     assert (two.rendezvous, two.master_addr, two.master_port) == ("static", "192.168.1.100", 29500)
     assert two.env["NCCL_SOCKET_IFNAME"] == "eth0" and two.env["NCCL_IB_DISABLE"] == "1"
     assert "cd -- \"$(dirname -- \"${BASH_SOURCE[0]}\")\"/../..\n" in files["run_2node_8gpu/node0.sh"]
@@ -402,7 +402,7 @@ def test_generated_script_runs_the_fingerprint_job(tmp_path):
     spec = LaunchSpec(module="distlab.workers.fingerprint", args=["--out", "fp.json"], nproc_per_node=2,
                       env={"OMP_NUM_THREADS": "1"}, log_dir="logs", timeout_s=150,
                       description="software fingerprint of 2 CPU ranks")
-    script = launch.write_scripts(spec, tmp_path, "fingerprint")[0]
+    script = torchrun.write_scripts(spec, tmp_path, "fingerprint")[0]
     lines: list[str] = []
     result = process.run(["bash", str(script)], timeout_s=180, cwd=tmp_path, echo=lines.append,
                         env={"PYTHON": sys.executable}, log_path=tmp_path / "run.log")
@@ -426,7 +426,7 @@ def test_hard_limit_stops_torchrun_and_its_ranks(tmp_path):
     (tmp_path / "sleeper_mod.py").write_text(SLEEPER)
     spec = LaunchSpec(module="sleeper_mod", nproc_per_node=2, log_dir="logs", timeout_s=8, kill_after_s=5,
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ".", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
-    script = launch.write_scripts(spec, tmp_path, "sleeper")[0]
+    script = torchrun.write_scripts(spec, tmp_path, "sleeper")[0]
     ranks: list[psutil.Process] = []
 
     def watch(line):

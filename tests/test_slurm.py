@@ -22,7 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from distlab.launch import check_dir, launch_files
+from distlab.launch.catalog import launch_files
+from distlab.launch.generated import check_dir
 from distlab.launch.sbatch import Container, SlurmSpec, example_specs, render_files
 from distlab.launch.spec import LaunchSpecError
 from distlab.paths import LAUNCH_DIR

@@ -177,7 +177,7 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
         "# The strategy benchmark on Kubernetes",
         "",
         f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `KUBE_MATRIX` in `{GENERATOR_FILE}`; "
-        "the shapes in `lib/distlab/launch/manifests.py`): do not edit them by hand. `python -m distlab.launch "
+        "the shapes in `lib/distlab/launch/kubernetes/manifests.py`): do not edit them by hand. `python -m distlab.launch "
         "check`, and the test suite, fail when these files differ from what the generator writes.",
         "",
         "**Validated offline, not run on a cluster.** Every manifest passes strict schema validation for "

@@ -115,7 +115,7 @@ def render_sbatch(spec: SlurmSpec) -> str:
              *([f"#SBATCH --gres=gpu:{spec.gpus_per_task * spec.tasks_per_node}"] if spec.gpus_per_task else []),
              f"#SBATCH --time={spec.time}",
              f"#SBATCH --output={spec.log_dir}/%x-%j.out",
-             f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/slurm.py): do not edit by hand.",
+             f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              *([f"# {spec.description}"] if spec.description else []),
              (f"# {spec.ntasks} tasks on {spec.nodes} node(s)" if spec.ntasks else
               f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s)") + f" = world size {spec.world_size}"
@@ -161,7 +161,7 @@ def render_run(spec: SlurmSpec) -> str:
     out = f"{WORKSPACE_DIR}/outputs" if spec.container else spec.out_dir
     args = list(spec.args) + ([spec.model_arg, model] if spec.model_arg else [])
     lines = ["#!/bin/bash",
-             f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/slurm.py): do not edit by hand.",
+             f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              "# One task of the job: srun starts it once per rank" + (" inside the container." if spec.container
                                                                      else "."),
              "set -euo pipefail",
@@ -236,7 +236,7 @@ def example_files() -> dict[str, str]:
         "# Slurm jobs: pipeline inference",
         "",
         f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `example_specs` in "
-        "`lib/distlab/launch/slurm.py`): do not edit them by hand.",
+        "`lib/distlab/launch/sbatch.py`): do not edit them by hand.",
         "",
         "| job | nodes x tasks | CPUs/task | GPUs/task | wall time | partition | container |",
         "|---|---|---|---|---|---|---|",

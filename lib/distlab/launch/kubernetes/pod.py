@@ -135,7 +135,7 @@ def render_dockerfile(default_job: KubeJob) -> str:
     return "\n".join([
         "# syntax=docker/dockerfile:1",
         "# The strategy benchmark's offline image: the locked environment, distlab, the default model built in.",
-        f"# {GENERATED_MARK}: change lib/distlab/launch/kubepod.py and regenerate, not this file.",
+        f"# {GENERATED_MARK}: change lib/distlab/launch/kubernetes/pod.py and regenerate, not this file.",
         "#",
         f"#   docker build -f {K8S_DIR}/Dockerfile -t IMAGE .      # from the repository root",
         "#",
