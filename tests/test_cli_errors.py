@@ -61,7 +61,7 @@ CASES = [
     ("distlab.monitor", ["--", "/no/such/program"], "No such file or directory"),
     ("distlab.monitor", ["--interval-s", "0", "--", "true"], "must be > 0"),
     ("distlab.launch", ["frobnicate"], "(see python -m"),
-    ("distlab.launch.kubernetes.cli", ["--no-such-flag"], "(see python -m"),
+    ("distlab.launch.kubernetes.command", ["--no-such-flag"], "(see python -m"),
     ("distlab.bench.trainer_vs_hf", ["--no-such-flag"], "(see python -m"),
     ("distlab.publish.datagen", ["--no-such-flag"], "(see python -m"),
     ("distlab.workers.fingerprint", ["--no-such-flag"], "(see python -m"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from distlab.launch import catalog, generated, network, process, torchrun
-from distlab.launch.kubernetes import checks, cli, collect, manifests
+from distlab.launch.kubernetes import checks, collect, command, manifests
 from distlab.launch.kubernetes.checks import CHECKS, Doc
 from distlab.launch.kubernetes.manifests import KubeJob, KubeJobError, kube_spec
 from distlab.launch.spec import LaunchSpec, LaunchSpecError
@@ -169,16 +169,16 @@ def test_committed_manifests_pass_schema_and_checks_for_two_versions(capsys):
 
 
 def test_cli_reports_per_file(capsys):
-    assert cli.main(["validate", str(K8S / "service.yaml"), str(K8S / "jobs" / "ddp-2gpu.yaml")]) == 0
+    assert command.main(["validate", str(K8S / "service.yaml"), str(K8S / "jobs" / "ddp-2gpu.yaml")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^OK   .*service\.yaml$", out, re.M) and re.search(r"^OK   .*ddp-2gpu\.yaml$", out, re.M)
-    assert cli.main(["validate", str(BROKEN)]) == 1
+    assert command.main(["validate", str(BROKEN)]) == 1
     out = capsys.readouterr().out
     print(out)  # the broken fixture's report
     assert out.startswith(f"FAIL {BROKEN}:")
     for check in CHECKS:  # the fixture breaks every rule at once
         assert f"[{check}]" in out, check
-    assert cli.main(["validate", "no/such/file.yaml"]) == 2
+    assert command.main(["validate", "no/such/file.yaml"]) == 2
 
 
 def _docs(mutate):
@@ -429,7 +429,7 @@ def test_collector_reads_every_pod_and_skips_replaced_ones(tmp_path, monkeypatch
         ("ddp-2gpu-1-old11", 1, "2026-01-06T12:00:00Z", "Failed"),
         ("ddp-2gpu-1-new22", 1, "2026-01-06T12:03:00Z", "Succeeded")])
     out = tmp_path / "out"
-    assert cli.main(["collect", "--namespace", "distlab-bench", "--run", "ddp-2gpu", "--out", str(out)]) == 0
+    assert command.main(["collect", "--namespace", "distlab-bench", "--run", "ddp-2gpu", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "ddp-2gpu: 2 pod(s) in distlab-bench: ddp-2gpu-0-aaaaa (Succeeded), ddp-2gpu-1-new22 (Succeeded)" in text
     assert "rank 1: ddp x2" in text
@@ -443,7 +443,7 @@ def test_collector_reads_every_pod_and_skips_replaced_ones(tmp_path, monkeypatch
 
 def test_collector_errors_are_clear(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no kubectl anywhere
-    assert cli.main(["collect", "--run", "ddp-2gpu"]) == 1
+    assert command.main(["collect", "--run", "ddp-2gpu"]) == 1
     assert "kubectl not found on PATH" in capsys.readouterr().out
     with pytest.raises(ResultLogError, match="missing: \\[1\\]"):
         collect.results_from_logs({"ddp-2gpu-0-a": pod_log(0, 0)})
@@ -503,5 +503,5 @@ def test_two_local_pods_run_the_entrypoint_to_a_finished_ddp_run(tmp_path, monke
     # ... and the same logs through the collector's command, with a stand-in kubectl serving them
     fake_kubectl(tmp_path, monkeypatch, logs, [(name, i, "2026-01-06T12:00:00Z", "Succeeded")
                                                 for i, name in enumerate(sorted(logs))])
-    assert cli.main(["collect", "--run", "ddp-2gpu", "--out", str(tmp_path / "collected")]) == 0
+    assert command.main(["collect", "--run", "ddp-2gpu", "--out", str(tmp_path / "collected")]) == 0
     assert sorted(extract.collect_run(tmp_path / "collected" / "ddp-2gpu", expected_ranks=2)) == [0, 1]

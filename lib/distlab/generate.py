@@ -1,4 +1,4 @@
-"""Fixed-config generation for before/after comparisons (the enterprise-assistant seed's contract).
+"""Fixed-config generation for before/after comparisons (the enterprise LoRA demo's contract).
 
 Defaults: temperature 0.2, top_p 0.9, seed 42, re-seeded before every prompt so each answer is
 reproducible on its own, whatever the order or number of prompts. `greedy=True` for exact

@@ -1,6 +1,6 @@
 """Pipeline inference throughput: 2 stages with micro-batches in flight against 1 stage, side by side in
 one run, one thread per stage, over model widths from the tiny model up (the crossover: where a stage's
-compute outweighs a hand-off), plus 2 stages with one micro-batch at a time (the seed's design, where
+compute outweighs a hand-off), plus 2 stages with one micro-batch at a time (the Slurm inference report's design, where
 only one stage works at any moment).
 
     python -m distlab.bench.pipeline_inference [--widths 256,512,1024] [--layers 8] [--new-tokens 16]

@@ -1,7 +1,7 @@
 """Chapter 04, pipeline training: the plumbing its notebook calls once per cell.
 
 The bubble sweep (one measured pipeline run per schedule and micro-batch count, all in one launch,
-repeated in rounds), one row per run and their median over rounds, the DeepSpeed-PP seed's table rows,
+repeated in rounds), one row per run and their median over rounds, the DeepSpeed pipeline study's table rows,
 and Gantt charts of the recorded timelines. What a timeline's numbers mean (the bubble in theory, the
 idle fractions, the hand-off and the cost models) is distlab.measure.bubble; the equal-stage model the
 sweep measures by default is distlab.models.balanced_bench_model.
@@ -149,7 +149,7 @@ def over_rounds(df: pd.DataFrame) -> pd.DataFrame:
 
 def table_row(job, *, strategy: str, micro: int, ga: int, ckpt: bool, dtype: str, seq_len: int,
               data_parallel: int) -> dict[str, Any]:
-    """One row of the DeepSpeed-PP seed's table from a finished run: the seed's setup columns (chapter 04's
+    """One row of the DeepSpeed pipeline study's table from a finished run: the study's setup columns (chapter 04's
     extras in distlab.results.schema.CHAPTER_COLUMNS), then the schema's steady-state summary.
 
     T_eff = S x B_micro x GA x N with N the data-parallel size (a pure pipeline has N = 1: both

@@ -1,4 +1,4 @@
-"""Before/after inference with an adapter (the enterprise seed's infer_before_after.py).
+"""Before/after inference with an adapter (the enterprise LoRA demo's infer_before_after.py).
 
     python -m distlab.infer --adapter build/runs/enterprise_7b/run_4gpu/model --prompts data/prompts/demo_prompts.jsonl
 

@@ -1,4 +1,4 @@
-"""The strategy x world-size matrix (the benchmark-framework seed's run_all_benchmarks), run locally with
+"""The strategy x world-size matrix (the Kubernetes benchmark's run_all_benchmarks), run locally with
 the same generated torchrun scripts a cluster would run.
 
     python -m distlab.matrix --strategies ddp,fsdp --world-sizes 1,2 --steps 20 --runs-dir build/runs/matrix

@@ -1,4 +1,4 @@
-"""Device activity around any command (the enterprise seed's rocm-smi / nvidia-smi watch).
+"""Device activity around any command (the enterprise LoRA demo's rocm-smi / nvidia-smi watch).
 
     python -m distlab.monitor --out build/monitor -- bash launch/run_1gpu.sh
     python -m distlab.monitor --out build/runs/x -- python -m distlab.train --config ...

@@ -1,4 +1,4 @@
-"""Log markers -> metrics csv, plots and the benchmark report (the benchmark-framework seed's
+"""Log markers -> metrics csv, plots and the benchmark report (the Kubernetes benchmark's
 parse_metrics.py, plot.py and make_report.py, as one command).
 
     python -m distlab.report build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --out build/report

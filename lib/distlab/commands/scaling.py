@@ -1,4 +1,4 @@
-"""Step logs -> the scaling summary (the enterprise seed's parse_logs), across run folders.
+"""Step logs -> the scaling summary (the enterprise LoRA demo's parse_logs), across run folders.
 
     python -m distlab.scaling build/runs/enterprise_7b/run_1gpu build/runs/enterprise_7b/run_4gpu
 

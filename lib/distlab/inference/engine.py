@@ -6,7 +6,7 @@ hidden states on, the last stage turns them into logits, samples, and sends the 
 every stage (stage 0 embeds them next; every stage extends its padding mask and sees when a
 micro-batch has finished). While the last stage works on micro-batch m, stage 0 already works on
 m + 1: with at least as many micro-batches in flight as stages the pipeline is full after the first
-token. `in_flight=1` is the seed's design (one prompt batch at a time through the stages: only
+token. `in_flight=1` is the Slurm inference report's design (one prompt batch at a time through the stages: only
 one stage busy at any moment).
 
 Sends are asynchronous (isend) and every rank walks the micro-batches in the same order, so a

@@ -11,7 +11,7 @@ the rank OOM-killed (SIGKILL, exit -9), which `memory.failcnt` and `oom_killed` 
 Fallback when /sys/fs/cgroup/{cpu,memory} are not writable (no root, cgroup v2 only, a container):
 `Throttle` stops and continues the rank's processes (SIGSTOP/SIGCONT) for (1 - q) of every 100 ms, the
 same duty cycle the CFS quota enforces, so a rank's compute takes 1/q as long: the "sleep (factor-1) x
-compute" of the seed, applied from outside so the training loop stays unchanged. It is coarser (a
+compute" of the LAN-cluster guide, applied from outside so the training loop stays unchanged. It is coarser (a
 stopped rank also stops answering the network) and there is no memory-cap fallback: `supported()` says
 which path runs, and callers print it.
 """

@@ -30,7 +30,7 @@ from distlab.launch.torchrun import plural, render_files
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
 
 ENTERPRISE_CONFIG = "lib/distlab/configs/enterprise_7b_lora.yaml"
-LAN_MASTER = "192.168.1.100"  # the LAN seed's master node; workers at .101, .102
+LAN_MASTER = "192.168.1.100"  # the LAN-cluster guide's master node; workers at .101, .102
 LAN_WORKER = "192.168.1.101"
 LAN_PORT = 29500
 LAN_IFNAME = "eth0"  # placeholder: the NIC on 192.168.1.0/24, see `ip -br addr` on each node
@@ -131,7 +131,7 @@ def render_demo_readme(matrix: Sequence[DemoRun] = DEMO_MATRIX) -> str:
 
 K8S_IMAGE = "registry.example.com/distlab/bench:0.1.0"  # placeholder: the registry and tag you push to
 K8S_CONFIG = "lib/distlab/configs/tiny_lora.yaml"
-K8S_NETWORK = "cloud-no-rdma"  # the seed's GPU VMs have no RDMA
+K8S_NETWORK = "cloud-no-rdma"  # the Kubernetes benchmark's GPU VMs have no RDMA
 K8S_STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 
 
@@ -177,8 +177,9 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
         "# The strategy benchmark on Kubernetes",
         "",
         f"{GENERATED_MARK} (`python -m distlab.launch regenerate`, from `KUBE_MATRIX` in `{GENERATOR_FILE}`; "
-        "the shapes in `lib/distlab/launch/kubernetes/manifests.py`): do not edit them by hand. `python -m distlab.launch "
-        "check`, and the test suite, fail when these files differ from what the generator writes.",
+        "the shapes in `lib/distlab/launch/kubernetes/manifests.py`): do not edit them by hand. "
+        "`python -m distlab.launch check`, and the test suite, fail when these files differ from what the generator "
+        "writes.",
         "",
         "**Validated offline, not run on a cluster.** Every manifest passes strict schema validation for "
         "Kubernetes 1.30 and 1.34 (`kubernetes-validate`) and distlab's own checks; the entrypoint ran for real "

@@ -11,7 +11,7 @@ and runs `python -m <module>`. No pip install inside the job: the environment is
 submission (PYTHON names its interpreter; sbatch passes the submitter's environment).
 
 With `container` (an image), srun runs `apptainer exec` (or `singularity exec`) with --nv / --rocm and
-the seed's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
+the Slurm report's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
 on the host before the job starts.
 """
 
@@ -199,11 +199,11 @@ def write_files(spec: SlurmSpec, root) -> list:
 # ---------------------------------------------------------------------- the committed examples
 
 SLURM_DIR = "launch/slurm"
-SEED_IMAGE = "images/distlab-pytorch.sif"  # placeholder: the site's prebuilt PyTorch image (the seed's .sif)
+SEED_IMAGE = "images/distlab-pytorch.sif"  # placeholder: the site's prebuilt PyTorch image (the Slurm report's .sif)
 
 
 def example_specs() -> list[SlurmSpec]:
-    """launch/slurm/: the 2-node CPU job chapter 06 runs, and the seed's GPU + Apptainer shape."""
+    """launch/slurm/: the 2-node CPU job chapter 06 runs, and the Slurm report's GPU + Apptainer shape."""
     common = ["--batch-size", "2", "--max-new-tokens", "32"]
     return [
         SlurmSpec("pipeline-2node-cpu", args=common, nodes=2, tasks_per_node=1, cpus_per_task=1, time="00:10:00",

@@ -3,7 +3,7 @@
 Read in this order:
 
   shapes   what a model is made of: parameter layout and counts, LoRA adapters,
-           activations per micro-batch, the seed models' published shapes                     ch. 01, 03
+           activations per micro-batch, the studied models' published shapes                     ch. 01, 03
   plan     one planner per strategy (`PLANNERS`, `plan_memory`) and the one-device
            case (`estimate_training_memory`)                                                  ch. 01, 03
   advice   communication per step and the LAN-cluster guide's decision tree

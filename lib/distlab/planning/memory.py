@@ -1,6 +1,6 @@
 """Where training memory goes, as the chapters use it: `from distlab.planning import memory`.
 
-Chapter 01 estimates one device (`estimate_training_memory`, the seed models' shapes) and puts the
+Chapter 01 estimates one device (`estimate_training_memory`, the studied models' shapes) and puts the
 estimate next to a measured step (distlab.chapters.ch01.measure_training_memory) in `breakdown_table`.
 Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`, `plot_breakdowns`), the
 traffic per step (`communication_bytes`) and the LAN-cluster guide's choice (`recommend`).

@@ -14,10 +14,10 @@ from typing import Sequence
 from distlab.config import LORA_TARGETS
 
 # Published shapes (the models' config.json), so 7B-class models can be planned without weights.
-# Llama-2-7B replays the LAN-cluster seed's "7B on a 12 GB GPU" table.
+# Llama-2-7B replays the LAN-cluster guide's "7B on a 12 GB GPU" table.
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False, model_type="llama")
-# The enterprise and benchmark seeds' models (Qwen2 has q/k/v biases; Qwen3 has q/k RMSNorms instead).
+# The enterprise demo's and benchmark's models (Qwen2 has q/k/v biases; Qwen3 has q/k RMSNorms instead).
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2")
 QWEN25_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

@@ -81,7 +81,7 @@ def save_metrics(df, figures_dir: str | Path, provenance: dict, name: str = "str
     return save_table(df, Path(figures_dir) / name, provenance)
 
 
-# file names kept from the seed's benchmark framework
+# file names kept from the Kubernetes benchmark's framework
 PLOTS = {"tokens_per_s": "strategy_tokens_per_sec.png", "peak_mem_bytes_per_rank": "strategy_peak_memory.png"}
 
 

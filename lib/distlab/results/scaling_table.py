@@ -1,4 +1,4 @@
-"""Step logs -> chapter 02's scaling table and plots (the enterprise seed's parse_logs, as a library).
+"""Step logs -> chapter 02's scaling table and plots (the enterprise LoRA demo's parse_logs, as a library).
 
 Every number is a column of distlab.results.schema: steady state after schema.WARMUP_STEPS, the slowest
 rank's step time, tokens/s of real tokens, speedup(k) = tokens/s(k) / tokens/s(1) and

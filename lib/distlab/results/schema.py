@@ -72,7 +72,7 @@ CHAPTER_COLUMNS: dict[str, dict[str, str]] = {
     },
     "03": {},
     "04": {
-        "micro_bsz": "rows per micro-batch (the DeepSpeed-PP seed's column)",
+        "micro_bsz": "rows per micro-batch (the DeepSpeed pipeline study's column)",
         "GA": "micro-batches per optimizer step (gradient accumulation = the pipeline's m)",
         "ckpt": "activation checkpointing, T or F",
         "dtype": "training dtype",

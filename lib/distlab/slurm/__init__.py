@@ -4,7 +4,7 @@ port each), everything under build/slurm/, started and stopped by the repository
   cluster  the cluster's files (slurm.conf, munge key, spool, state, logs) and daemons: up, down,
            status, idempotent; `down` leaves nothing of the cluster's running
   submit   submitting through sbatch, waiting for a job, reading its records back with sacct -c
-  cli      the command line below
+  command  the command line below
 
       python -m distlab.slurm up|down|status
 """

@@ -1,4 +1,4 @@
 from distlab.cli import run_main
-from distlab.slurm.cli import main
+from distlab.slurm.command import main
 
 run_main(main)

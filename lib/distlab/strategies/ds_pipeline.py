@@ -1,4 +1,4 @@
-"""The same pipeline split with DeepSpeed's PipelineModule (the DeepSpeed-PP seed's setup).
+"""The same pipeline split with DeepSpeed's PipelineModule (the DeepSpeed pipeline study's setup).
 
 What is the same as distlab.strategies.pipeline (both are distlab.strategies.staged ranks): the
 split (`split_layers`: embeddings + the first

@@ -7,7 +7,7 @@ package loads nothing.
              the same torchrun command) and the image's Dockerfile
   checks     offline validation: strict schemas of two Kubernetes versions + checks the schema cannot see
   collect    a run's results from its pods' logs through kubectl
-  cli        the command line:
+  command    the command line:
 
                  python -m distlab.launch.kubernetes validate FILES... | collect --run NAME
 """

@@ -1,4 +1,4 @@
 from distlab.cli import run_main
-from distlab.launch.kubernetes.cli import main
+from distlab.launch.kubernetes.command import main
 
 run_main(main)

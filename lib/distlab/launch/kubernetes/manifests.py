@@ -26,7 +26,7 @@ The shape, built-in resources only (no operator or CRD to install first):
 
 The entrypoint and the Dockerfile are written by distlab.launch.kubernetes.pod, validation (offline) is in
 distlab.launch.kubernetes.checks, collecting results in distlab.launch.kubernetes.collect; the command line for both is
-distlab.launch.kubernetes.cli:
+distlab.launch.kubernetes.command:
 
     python -m distlab.launch.kubernetes validate FILES...
     python -m distlab.launch.kubernetes collect --namespace NS --run NAME [--out DIR]
