@@ -10,12 +10,13 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test lint book notebooks site publish lock clean help deepspeed-op debian models
+.PHONY: all env test test-fast lint book notebooks site publish lock clean help deepspeed-op debian models
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
 	@echo "              (FORCE=1: run every notebook; PROFILE=gpu|quick: another parameter profile)"
 	@echo "make test   - set up, lint (ruff), run the test suite"
+	@echo "make test-fast - lint and the unit tests only (pytest -m 'not slow': no torchrun, notebooks, book, clusters), under 3 min"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
 	@echo "make publish REMOTE=... - push the built site to REMOTE's gh-pages branch (ghp-import)"
 
@@ -49,6 +50,11 @@ models: $(STAMP)
 
 test: $(STAMP) debian deepspeed-op models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The everyday tier: tests marked `slow` (torchrun launches, notebook runs, the book build, the emulated LAN and
+# Slurm clusters, DeepSpeed's JIT op, anything over ~5 s) are left out; `make test` still runs them all.
+test-fast: $(STAMP) models lint
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # ruff, configured in pyproject.toml: line length, import order, unused names, over lib, tests and notebooks.
 lint: $(STAMP)

@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "notebooks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def chromium() -> Path:

@@ -61,6 +61,7 @@ def test_compare_fingerprints_separates_mismatch_from_node_identity():
     assert rows["torch"]["rank1"] == "2.12.0"
 
 
+@pytest.mark.slow
 def test_fingerprint_agrees_across_two_ranks(tmp_path):
     df = launcher.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", echo=False)
     assert {"field", "rank0", "rank1", "MISMATCH"} <= set(df.columns)
@@ -69,6 +70,7 @@ def test_fingerprint_agrees_across_two_ranks(tmp_path):
     assert torch_row["rank0"] == torch_row["rank1"] == envcheck.fingerprint()["torch"]
 
 
+@pytest.mark.slow
 def test_fake_perturbation_on_rank1_is_flagged(tmp_path):
     env = {envcheck.FAKE_RANK1_ENV: "peft=0.0.0-fake"}
     df = launcher.run_fingerprint(nproc=2, timeout_s=90, out_json=tmp_path / "fp.json", env=env, echo=False)
@@ -79,6 +81,7 @@ def test_fake_perturbation_on_rank1_is_flagged(tmp_path):
 
 # ---------------------------------------------------------------- limits
 
+@pytest.mark.slow
 def test_allreduce_bench_busbw(sweep):
     assert list(sweep["size_bytes"]) == [kib * 1024 for kib in TINY_SIZES_KIB]
     assert (sweep["busbw_GBps"] > 0).all() and (sweep["iters"] >= 1).all()
@@ -91,6 +94,7 @@ def test_allreduce_bench_busbw(sweep):
     assert ((sweep["algbw_GBps"] - recomputed).abs() <= 1e-6 * recomputed).all()
 
 
+@pytest.mark.slow
 def test_limits_table_round_trips(sweep, tmp_path):
     table = limits.measure_device_limits("cpu", matmul_seconds=0.05, allreduce=sweep, memory_bytes=8 * 2**20)
     assert set(table["metric"]) == {"matmul", "memory_bandwidth", "allreduce_busbw", "allreduce_latency"}
@@ -114,6 +118,7 @@ def test_loading_missing_limits_names_the_file(tmp_path):
     assert "00_environment_check" in str(err.value)
 
 
+@pytest.mark.slow
 def test_timed_out_launch_leaves_no_process(tmp_path):
     seen_pids: list[int] = []
 

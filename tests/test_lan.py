@@ -55,12 +55,14 @@ def test_uneven_shares_keep_the_global_batch(shares, accum):
 # ---------------------------------------------------------------------- the cluster
 
 @needs_root
+@pytest.mark.slow
 def test_namespace_path_is_available_as_root():
     ok, why = hosts.available()
     assert ok, f"CI runs as root and must run the namespace path: {why}"
 
 
 @needs_root
+@pytest.mark.slow
 def test_up_down_status_idempotent(clean):
     cli = [sys.executable, "-m", "distlab.lan"]
     for _ in range(2):
@@ -79,6 +81,7 @@ def test_up_down_status_idempotent(clean):
 
 
 @needs_root
+@pytest.mark.slow
 def test_crashed_driver_leaves_nothing(clean, our_processes, tmp_path):
     """A driver SIGKILLed inside `running()` (no finally runs): the watchdog removes everything."""
     driver = textwrap.dedent("""

@@ -398,6 +398,7 @@ def test_enterprise_config_loads_with_the_seed_defaults():
 
 # ------------------------------------------------------------------ real runs (torchrun on CPU)
 
+@pytest.mark.slow
 def test_generated_script_runs_the_fingerprint_job(tmp_path):
     spec = LaunchSpec(module="distlab.workers.fingerprint", args=["--out", "fp.json"], nproc_per_node=2,
                       env={"OMP_NUM_THREADS": "1"}, log_dir="logs", timeout_s=150,
@@ -420,6 +421,7 @@ SLEEPER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_hard_limit_stops_torchrun_and_its_ranks(tmp_path):
     """The script's own `timeout`: SIGTERM to torchrun at the limit, which stops its ranks (they run
     in sessions of their own), exit status 124. Here torchrun's shutdown grace is 2 s, not 30."""

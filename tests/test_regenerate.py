@@ -115,6 +115,7 @@ def test_discover_orders_numerically_and_selects(tmp_path):
 # ----------------------------------------------------------------------------- real kernels
 
 
+@pytest.mark.slow
 def test_failure_is_named_others_still_run_and_children_are_killed(tmp_path, recorded_pids):
     nbdir, pid_dir = _notebooks(tmp_path, "01_quick_ok.ipynb", "02_deliberate_failure.ipynb")
     proc = _regenerate(tmp_path, nbdir)
@@ -151,6 +152,7 @@ def test_failure_is_named_others_still_run_and_children_are_killed(tmp_path, rec
     _assert_gone(pids)
 
 
+@pytest.mark.slow
 def test_timeout_kills_the_notebook_and_its_children(tmp_path, recorded_pids):
     nbdir, pid_dir = _notebooks(tmp_path, "03_sleeps_forever.ipynb")
     t0 = time.monotonic()

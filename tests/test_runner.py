@@ -154,6 +154,7 @@ def test_timeout_returns_promptly_when_the_job_stops_on_sigterm():
     assert time.monotonic() - t0 < 1 + process.KILL_GRACE_S - 2
 
 
+@pytest.mark.slow
 def test_keyboard_interrupt_kills_the_group(tmp_path):
     def interrupt_when_ready(line):
         if line == "READY":
@@ -216,6 +217,7 @@ def torchrun(tmp_path: Path, mode: str, rec: Recorder, timeout_s: float = 60):
                       env={"OMP_NUM_THREADS": "1", "WORKER_MODE": mode})
 
 
+@pytest.mark.slow
 def test_torchrun_rank_exit_code_is_reported_with_its_last_lines(tmp_path):
     rec = Recorder()
     try:
@@ -235,6 +237,7 @@ def test_torchrun_rank_exit_code_is_reported_with_its_last_lines(tmp_path):
         kill_leftovers(rec.procs)
 
 
+@pytest.mark.slow
 def test_torchrun_rank_killed_by_a_signal_is_reported_with_it(tmp_path):
     rec = Recorder()
     try:
@@ -247,6 +250,7 @@ def test_torchrun_rank_killed_by_a_signal_is_reported_with_it(tmp_path):
         kill_leftovers(rec.procs)
 
 
+@pytest.mark.slow
 def test_ranks_of_a_killed_torchrun_agent_do_not_survive(tmp_path):
     """torchrun starts each rank in a session of its own; if the agent itself dies (OOM killer,
     kill -9), its ranks are orphans that would hold their GPU memory forever."""

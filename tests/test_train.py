@@ -95,6 +95,7 @@ def test_global_batch_size_derives_accumulation():
         cfg.micro_steps(3)
 
 
+@pytest.mark.slow
 def test_cli_with_yaml_and_overrides(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(f"max_steps: 2\nseq_len: 256\nmicro_batch_size: 2\nnum_threads: 1\neval_file: null\n"

@@ -4,7 +4,11 @@ one name (`from distlab.chapters import ch04`), so a reader sees where every cel
 These modules sit at the top of the library: they may import anything below, and nothing below imports
 them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
 
+  ch00  the environment: the all-reduce sweep's bandwidth figure
   ch01  one device: a real step's memory against the planner (measure_training_memory)
-  ch04  pipeline training: the bubble sweeps over micro-batches and schedules, the strategy table's rows, and
+  ch02  DDP: where a step's time goes per world size (compute, transfer, waiting), drawn
+  ch03  FSDP and ZeRO: planned bytes per rank as stacked bars against card capacities
+  ch04  pipeline training: the bubble sweeps over micro-batches and schedules, the study's table rows, and
         the timeline plots (the bubble's theory and reading of a timeline: distlab.measure.bubble)
+  ch06  Slurm pipeline inference: a run's stage timeline
 """

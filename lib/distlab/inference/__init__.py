@@ -9,8 +9,7 @@ micro-batches of prompts are in flight, so every stage works at the same time.
   batches     prompts -> chat-templated, left-padded micro-batches (the same rows on every rank)
   engine      the pipelined generation loop over torch.distributed (hidden states forward,
               sampled tokens back), greedy or seeded temperature/top-p, stop at EOS or max tokens
-  stage_timeline  a finished run read back (summary, completions, per-stage memory) and its stage
-              timeline drawn
+  outputs     a finished run read back: summary, completions, per-stage timeline and memory
   run         the per-rank entry point (torchrun or srun): rank/world from the environment, per-rank
               log, completion JSONL, per-stage memory and timeline
 

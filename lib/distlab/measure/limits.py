@@ -14,7 +14,6 @@ from typing import Any, Iterator, Mapping
 
 import pandas as pd
 import torch
-from matplotlib.figure import Figure
 
 from distlab import device as devmod
 from distlab import provenance as prov
@@ -151,9 +150,9 @@ def allreduce_rows(sweep) -> list[dict[str, Any]]:
     name = devmod.device_name("cuda" if backend == "nccl" else "cpu")
     return [
         _row("allreduce_busbw", "fp32", n, "ranks", float(largest["busbw_GBps"]), "GB/s", name,
-             f"{backend}, {_size_text(largest['size_bytes'])} message"),
+             f"{backend}, {size_text(largest['size_bytes'])} message"),
         _row("allreduce_latency", "fp32", n, "ranks", float(smallest["time_us"]), "us", name,
-             f"{backend}, {_size_text(smallest['size_bytes'])} message"),
+             f"{backend}, {size_text(smallest['size_bytes'])} message"),
     ]
 
 
@@ -162,34 +161,11 @@ def allreduce_seconds(nbytes: float, busbw_GBps: float, world_size: int) -> floa
     return nbytes * 2 * (world_size - 1) / world_size / (busbw_GBps * 1e9)
 
 
-def _size_text(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
     return f"{int(nbytes)} B"
-
-
-def plot_allreduce_busbw(sweep, out_png: str | Path, provenance: Mapping[str, Any]):
-    """busbw and algbw against message size (log scale), saved with its provenance."""
-    fig = Figure(figsize=(6.5, 3.8))
-    ax = fig.add_subplot()
-    backend, n = sweep["backend"].iloc[0], int(sweep["world_size"].iloc[0])
-    ax.plot(sweep["size_bytes"], sweep["busbw_GBps"], "o-", label="busbw = algbw x 2(n-1)/n")
-    ax.plot(sweep["size_bytes"], sweep["algbw_GBps"], "s--", alpha=0.7, label="algbw = bytes / time")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")  # small messages are latency-bound: orders of magnitude below the large ones
-    ax.minorticks_off()
-    ticks = list(sweep["size_bytes"])
-    ax.set_xticks(ticks, [_size_text(t) for t in ticks], rotation=45, ha="right")
-    ax.set_xlabel("message size")
-    ax.set_ylabel("GB/s")
-    note = " (2(n-1)/n = 1: the lines coincide)" if n == 2 else ""
-    ax.set_title(f"all_reduce bandwidth, {n} ranks, {backend}{note}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    prov.save_figure(fig, out_png, dict(provenance))
-    return fig
 
 
 # ---------------------------------------------------------------- the table

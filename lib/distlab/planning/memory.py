@@ -2,18 +2,17 @@
 
 Chapter 01 estimates one device (`estimate_training_memory`, the studied models' shapes) and puts the
 estimate next to a measured step (distlab.chapters.ch01.measure_training_memory) in `breakdown_table`.
-Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`, `plot_breakdowns`), the
+Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`; drawn by distlab.chapters.ch03), the
 traffic per step (`communication_bytes`) and the LAN-cluster guide's choice (`recommend`).
 
-This module gathers those names from the planning modules (shapes, plan, advice) and draws the
-tables and figures of breakdowns.
+This module gathers those names from the planning modules (shapes, plan, advice), builds the
+breakdown tables, and sets measured state bytes beside the planner's (`state_vs_plan`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from distlab.config import LORA_TARGETS, STRATEGY_NAMES, ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
@@ -69,7 +68,7 @@ __all__ = [
     # distlab.measure.state, distlab.strategies
     "MemoryBreakdown", "STATE_COMPONENTS", "STRATEGY_NAMES",
     # here
-    "GIB", "breakdown_table", "plan_table", "plot_breakdowns",
+    "GIB", "breakdown_table", "plan_table", "state_vs_plan",
 ]
 
 
@@ -86,28 +85,6 @@ def plan_table(config, strategies: Iterable[str] = ("single", "ddp", "zero2", "f
     rows = {s: plan_memory(config, strategy=s, world_size=1 if s == "single" else world_size, **kwargs)
             for s in strategies}
     return breakdown_table(rows, unit=unit, unit_name=unit_name)
-
-
-def plot_breakdowns(rows: Mapping[str, MemoryBreakdown], capacities: Mapping[str, float] | None = None,
-                    title: str = "", unit: float = GIB, unit_name: str = "GiB", ax=None):
-    """Stacked horizontal bars, one per breakdown (e.g. per strategy), with dashed lines at GPU
-    capacities (name -> GiB). Returns the figure."""
-    table = breakdown_table(dict(rows), unit=unit, unit_name=unit_name).T.drop(columns="total")
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7.5, 0.5 + 0.45 * len(table)))
-    else:
-        fig = ax.figure
-    table.plot.barh(stacked=True, ax=ax, width=0.7)
-    ax.invert_yaxis()
-    for name, gb in (capacities or {}).items():
-        ax.axvline(gb * GIB / unit, color="k", ls="--", lw=1)
-        ax.text(gb * GIB / unit, 1.01, f"{name} ({gb:g} GiB)", transform=ax.get_xaxis_transform(), fontsize=7,
-                ha="center", va="bottom")
-    ax.set_xlabel(f"{unit_name} per rank (planned)")
-    ax.set_title(title, fontsize=9, pad=14 if capacities else 6)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    return fig
 
 
 # ----------------------------------------------------------------------------- measured against planned
