@@ -2,7 +2,8 @@
 
 The command lives in distlab.commands.matrix; this module keeps the name the README documents."""
 
-import runpy
+from distlab.cli import run_main
+from distlab.commands.matrix import main
 
 if __name__ == "__main__":
-    runpy.run_module("distlab.commands.matrix", run_name="__main__")
+    run_main(main, sigterm_exits=True)

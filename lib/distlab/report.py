@@ -2,7 +2,8 @@
 
 The command lives in distlab.commands.report; this module keeps the name the README documents."""
 
-import runpy
+from distlab.cli import run_main
+from distlab.commands.report import main
 
 if __name__ == "__main__":
-    runpy.run_module("distlab.commands.report", run_name="__main__")
+    run_main(main)
