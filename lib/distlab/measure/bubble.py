@@ -92,8 +92,9 @@ def stage_idle(events: Sequence[dict]) -> dict[str, Any]:
             "microbatches": len({e["mb"] for e in ops})}
 
 
-def transfers(events: Sequence[dict]) -> list[dict]:
-    """Each received message with its transfer time (see the module docstring) and size."""
+def matched_messages(events: Sequence[dict]) -> list[tuple[tuple[int, int], dict, dict | None]]:
+    """Each receive with its matching send: the k-th receive at b from a is the k-th send from a to b
+    (None when the timeline holds no such send). Items are ((src, dst), recv, send)."""
     sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
     recvs: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for e in sorted(events, key=lambda e: e["t0"]):
@@ -101,38 +102,32 @@ def transfers(events: Sequence[dict]) -> list[dict]:
             sends[(e["stage"], e["peer"])].append(e)
         elif e["kind"] == "recv":
             recvs[(e["peer"], e["stage"])].append(e)
+    return [(pair, r, sends[pair][k] if k < len(sends[pair]) else None)
+            for pair, rs in recvs.items() for k, r in enumerate(rs)]
+
+
+def transfers(events: Sequence[dict]) -> list[dict]:
+    """Each received message with its transfer time (see the module docstring) and size."""
     out = []
-    for pair, rs in recvs.items():
-        ss = sends.get(pair, [])
-        for k, r in enumerate(rs):
-            s = ss[k] if k < len(ss) else None
-            ready = max(r["t0"], s["t0"]) if s is not None else r["t0"]
-            out.append({"src": pair[0], "dst": pair[1], "what": r.get("what", ""), "bytes": r.get("bytes", 0),
-                        "transfer_s": max(0.0, r["t1"] - ready), "blocked_s": r["t1"] - r["t0"]})
+    for pair, r, s in matched_messages(events):
+        ready = max(r["t0"], s["t0"]) if s is not None else r["t0"]
+        out.append({"src": pair[0], "dst": pair[1], "what": r.get("what", ""), "bytes": r.get("bytes", 0),
+                    "transfer_s": max(0.0, r["t1"] - ready), "blocked_s": r["t1"] - r["t0"]})
     return out
 
 
 def peer_waits(events: Sequence[dict]) -> dict[int, float]:
-    """Per stage, the time its receives waited for the sender to post (the k-th receive at b from a
-    matched with the k-th send from a to b), clipped to the stage's own compute window."""
+    """Per stage, the time its receives waited for the sender to post (matched_messages), clipped to the
+    stage's own compute window."""
     ops = compute_events(events)
     window = {s: (min(e["t0"] for e in ops if e["stage"] == s), max(e["t1"] for e in ops if e["stage"] == s))
               for s in {e["stage"] for e in ops}}
-    sends: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    for e in sorted(events, key=lambda e: e["t0"]):
-        if e["kind"] == "send":
-            sends[(e["stage"], e["peer"])].append(e)
-        elif e["kind"] == "recv":
-            recvs[(e["peer"], e["stage"])].append(e)
     wait: dict[int, float] = defaultdict(float)
-    for pair, rs in recvs.items():
-        ss = sends.get(pair, [])
-        for k, r in enumerate(rs):
-            w0, w1 = window.get(r["stage"], (r["t0"], r["t1"]))
-            posted = ss[k]["t0"] if k < len(ss) else r["t1"]
-            start, end = max(r["t0"], w0), min(posted, r["t1"], w1)
-            wait[r["stage"]] += max(0.0, end - start)
+    for _, r, s in matched_messages(events):
+        w0, w1 = window.get(r["stage"], (r["t0"], r["t1"]))
+        posted = s["t0"] if s is not None else r["t1"]
+        start, end = max(r["t0"], w0), min(posted, r["t1"], w1)
+        wait[r["stage"]] += max(0.0, end - start)
     return dict(wait)
 
 
