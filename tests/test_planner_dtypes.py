@@ -1,7 +1,7 @@
 """The memory planner against measured bytes in every dtype the trainer accepts: fp32, bf16 (weights
 stored in bf16), bf16-autocast and fp16-autocast (torch 2.13 runs fp16 autocast on CPU too), for single,
 DDP, FSDP, ZeRO-2 and ZeRO-3, LoRA and full fine-tuning. One launch per strategy runs every dtype and
-mode back to back (jobs.launch_sweep); each rank's weights, adapters, gradients and optimizer state must
+mode back to back (local.launch_sweep); each rank's weights, adapters, gradients and optimizer state must
 match plan_memory(dtype=...) within 5%. Then the ZeRO paper's per-parameter formulas against both.
 """
 

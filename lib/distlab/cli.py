@@ -6,7 +6,7 @@
 User-facing errors are the library's ValueError family (ConfigError, DataError, LaunchSpecError,
 ResultLogError, KubeJobError, NetworkPresetError, ...: each message already names the file, line or field)
 and OSError (a missing or unreadable input). argparse's own errors become the same one line. A launched job
-that failed (runner.RunFailed) is one line too, with exit status 1: the input was fine, the run was not.
+that failed (distlab.launch.process.RunFailed) is one line too, with exit status 1: the input was fine, the run was not.
 Anything else is a bug and keeps its traceback. `--debug` (before any `--`) or DISTLAB_DEBUG=1 shows the
 traceback of every error.
 """

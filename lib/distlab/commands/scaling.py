@@ -3,7 +3,7 @@
     python -m distlab.scaling build/runs/enterprise_7b/run_1gpu build/runs/enterprise_7b/run_4gpu
 
 Each RUN is a run folder (or its rank-0 `train_log.jsonl`) as distlab.train writes it under any launcher:
-the generated launch/run_*.sh scripts, jobs.launch_training, Slurm. Writes <out>/scaling_summary.csv,
+the generated launch/run_*.sh scripts, distlab.launch.local.launch_training, Slurm. Writes <out>/scaling_summary.csv,
 scaling_summary.md, scaling_plot.png (and scaling_comm_compute.png when the runs timed communication)
 and prints the table. The columns are distlab.results.schema's: steady state after the warm-up steps,
 the slowest rank's step time, speedup and efficiency against the 1-rank run.

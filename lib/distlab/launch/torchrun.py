@@ -79,7 +79,7 @@ def torchrun_flags(nproc_per_node: int, nnodes: int = 1, *, rendezvous: str = "s
     rdzv_endpoint under rdzv_id and are numbered as they join: torchrun ignores --node-rank there,
     so it is left out). `max_restarts` and `log_dir` are left out when None (torchrun's defaults: no
     restart, output on the console only). `tee`: `--tee 3` shows every rank's stdout and stderr on
-    the console prefixed [defaultN]:, which is how runner.run tells which rank failed."""
+    the console prefixed [defaultN]:, which is how process.run tells which rank failed."""
     flags = [["--nnodes", str(nnodes)], ["--nproc-per-node", str(nproc_per_node)]]
     if max_restarts is not None:
         flags.append(["--max-restarts", str(max_restarts)])

@@ -2,7 +2,7 @@
 there, otherwise CPU % and RSS of this process and everything it started.
 
     with UtilizationSampler("build/runs/util.csv", pids="children"):
-        runner.run([...torchrun...], timeout_s=60)
+        process.run([...torchrun...], timeout_s=60)
     plot_utilization("build/runs/util.csv", "figures/util.png", provenance.stamp(...))
 
 The sampler runs in a background thread, never raises into the caller (problems are kept in
@@ -96,7 +96,7 @@ class ProcessTree:
 
     `pids=None`: this process and its descendants; 'children': only the descendants; a list:
     those processes and their descendants. Descendants are found through parent links, so ranks
-    started by runner.run in a session of their own are still found."""
+    started by process.run in a session of their own are still found."""
 
     def __init__(self, pids: None | str | Sequence[int] = None):
         if pids not in (None, "children") and isinstance(pids, str):

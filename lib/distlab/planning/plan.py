@@ -320,7 +320,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     activation_bytes) directly (`resolve_precision` says how those are read). lora_r None: full
     fine-tuning. rank None: the rank that needs the most (ranks differ slightly where partitions cut
     tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the pipelines' split
-    (distlab.strategies.split.split_layers: balanced by default).
+    (distlab.layer_split.split_layers: balanced by default).
 
     What each strategy holds, per rank, with N parameters, T of them trained:
       single, ddp   everything: weights, T gradients, AdamW's two moments per trained weight.

@@ -12,7 +12,7 @@ torchrun launch spec, validated field by field.
 
 Which launches a chapter makes is read from its parameters by the rules in `launches`: world sizes from
 `world_sizes`, `oversubscribe` and `nproc`; strategies from `strategies` (chapter 03), the pipeline
-table's rows (chapter 04), DDP otherwise. A chapter that calls no `jobs.launch_*` but has a training
+table's rows (chapter 04), DDP otherwise. A chapter that calls no `local.launch_*` but has a training
 budget (chapter 01) trains in its kernel: its config is checked at world size 1.
 """
 
@@ -99,7 +99,7 @@ def launches(stem: str, params: dict[str, Any]) -> list[Launch]:
 
 
 def check_launch(launch: Launch) -> str | None:
-    """Build the launch's config and torchrun spec as jobs.launch_training would; the error, or None."""
+    """Build the launch's config and torchrun spec as local.launch_training would; the error, or None."""
     try:
         cfg = load_config(TINY_CONFIG, launch.overrides, override_source="the notebook's parameters")
         data_parallel = 1 if cfg.strategy in PIPELINE_STRATEGIES else launch.world_size

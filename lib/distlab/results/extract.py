@@ -166,7 +166,7 @@ def rank_logs(run_dir: str | Path) -> list[Path]:
 
 
 def collect_run(run_dir: str | Path, expected_ranks=None, source: str = "auto") -> dict[int, dict[str, Any]]:
-    """Results of one launched run: from `<run>/console.log` (what jobs.launch_training saves),
+    """Results of one launched run: from `<run>/console.log` (what distlab.launch.local.launch_training saves),
     or from torchrun's per-rank logs (source="ranks"; "auto" falls back to them without a console)."""
     run_dir = Path(run_dir)
     console = run_dir / "console.log"
