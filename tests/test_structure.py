@@ -4,6 +4,8 @@ strategy files that read in one sitting and hold only their parallelism."""
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,24 @@ def test_a_strategy_file_reads_in_one_sitting_and_holds_only_its_parallelism(ste
     measuring = {m for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
                  for m in _imported(node, name) if m.startswith("distlab.measure")}
     assert measuring == set(), f"{stem} measures by itself instead of through its meter: {measuring}"
+
+
+def _modules_loaded_by(statement: str) -> set[str]:
+    """Every module a fresh interpreter has loaded after `statement` (distlab's and its dependencies')."""
+    code = f"{statement}; import sys; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return set(out.stdout.split())
+
+
+def test_the_training_loop_loads_no_chapter_feature_and_no_publishing():
+    loaded = {m for m in _modules_loaded_by("import distlab.train") if m.startswith("distlab")}
+    features = ("distlab.lan", "distlab.slurm", "distlab.inference", "distlab.publish", "distlab.launch",
+                "distlab.workers", "distlab.planning", "distlab.chapters", "distlab.bench", "distlab.commands")
+    assert not {m for m in loaded if m.startswith(features)}, sorted(loaded)
+    assert "distlab.train" in loaded
+
+
+def test_the_planner_is_torch_free_arithmetic():
+    loaded = _modules_loaded_by("import distlab.planning.plan, distlab.planning.advice, distlab.planning.zero_paper")
+    assert "distlab.planning.plan" in loaded
+    assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
