@@ -4,6 +4,8 @@ Importing this package loads nothing; import the module you need.
   spec        LaunchSpec: what to run, on how many nodes and processes, validated field by field
   network     network presets by name (lan-ethernet, cloud-no-rdma, rdma-infiniband): NCCL/gloo
               variables with a reason each, from network_presets.yaml; LaunchSpec(network=...)
+  shell       the one way every writer here refuses or quotes a value: control characters, length,
+              the secret rule for names and values, shell quoting; SpecError, the errors' base
   process     run a command in its own process group: output streamed, hard timeout, the whole
               tree killed (subreaper), nothing left behind; what every launcher here runs through
   generated   writing, checking and regenerating a folder of generated files

@@ -13,23 +13,44 @@ submission (PYTHON names its interpreter; sbatch passes the submitter's environm
 With `container` (an image), srun runs `apptainer exec` (or `singularity exec`) with --nv / --rocm and
 the Slurm report's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
 on the host before the job starts.
+
+Every value is checked and quoted by distlab.launch.shell, as in every other writer: no control
+character, no credential, every value that reaches a command line single-quoted; `log_dir` goes
+unquoted into `#SBATCH --output`, so it must be a plain word (no whitespace, quotes or `%`).
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass, field
 
 from distlab.launch.generated import GENERATED_MARK
-from distlab.launch.spec import LaunchSpecError, looks_like_secret_name
+from distlab.launch.shell import (
+    NAME_RE,
+    check_env,
+    check_fields,
+    check_module,
+    check_text,
+    check_word,
+    literal_note,
+    quote,
+    show,
+)
+from distlab.launch.spec import LaunchSpecError
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 RUNTIMES = ("apptainer", "singularity")
 GPU_FLAGS = ("--nv", "--rocm")
 APP_DIR, WORKSPACE_DIR, MODEL_MOUNT = "/app", "/tmp/workspace", "/workspace/model"
+# run.sh sets these itself (from Slurm's variables, or to keep the job offline): the spec's env must not.
+RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHON", "HF_HUB_OFFLINE",
+                "TRANSFORMERS_OFFLINE")
+
+
+class SlurmSpecError(LaunchSpecError):
+    """An invalid SlurmSpec; `.field` names the offending field (a LaunchSpecError, as it always was)."""
+
+    spec = "SlurmSpec"
 
 
 @dataclass(frozen=True)
@@ -65,43 +86,51 @@ class SlurmSpec:
         self.validate()
 
     def validate(self) -> None:
-        if not _NAME_RE.match(str(self.name)):
-            raise LaunchSpecError("name", f"{self.name!r}: letters, digits, '_', '.', '-' only")
+        # Every string first (control characters, length, secrets): the checks below may quote a value.
+        check_fields(SlurmSpecError, self)
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise SlurmSpecError("name", f"{show(self.name)}: letters, digits, '_', '.', '-' only")
+        check_module(SlurmSpecError, "module", self.module)
+        for i, a in enumerate(self.args):
+            if not isinstance(a, str):
+                raise SlurmSpecError("args", f"args[{i}] = {show(a)} is not a string")
         for attr, low in (("nodes", 1), ("tasks_per_node", 1), ("cpus_per_task", 1)):
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise LaunchSpecError(attr, f"{value!r}: need an integer >= {low}")
+                raise SlurmSpecError(attr, f"{show(value)}: need an integer >= {low}")
         if self.ntasks is not None and (isinstance(self.ntasks, bool) or not isinstance(self.ntasks, int)
                                         or not self.nodes <= self.ntasks):
-            raise LaunchSpecError("ntasks", f"{self.ntasks!r}: None or an integer >= nodes ({self.nodes})")
+            raise SlurmSpecError("ntasks", f"{show(self.ntasks)}: None or an integer >= nodes ({self.nodes})")
         if self.gpus_per_task is not None and (isinstance(self.gpus_per_task, bool) or
                                                not isinstance(self.gpus_per_task, int) or self.gpus_per_task < 1):
-            raise LaunchSpecError("gpus_per_task", f"{self.gpus_per_task!r}: None or an integer >= 1")
-        if not _TIME_RE.match(str(self.time)):
-            raise LaunchSpecError("time", f"{self.time!r}: a wall time as HH:MM:SS or D-HH:MM:SS (every job has one)")
-        if self.partition is not None and not _NAME_RE.match(self.partition):
-            raise LaunchSpecError("partition", f"{self.partition!r}: not a partition name")
-        for name in self.env:
-            if not _ENV_RE.match(name) or looks_like_secret_name(name):
-                raise LaunchSpecError("env", f"{name!r}: not a variable name, or it names a secret "
-                                             "(pass secrets through the submitting environment)")
-        for attr in ("model_dir", "out_dir", "log_dir", "script_dir"):
-            if not str(getattr(self, attr)).strip():
-                raise LaunchSpecError(attr, "must not be empty")
+            raise SlurmSpecError("gpus_per_task", f"{show(self.gpus_per_task)}: None or an integer >= 1")
+        if not isinstance(self.time, str) or not _TIME_RE.match(self.time):
+            raise SlurmSpecError("time", f"{show(self.time)}: a wall time as HH:MM:SS or D-HH:MM:SS "
+                                         "(every job has one)")
+        if self.partition is not None and (not isinstance(self.partition, str) or not NAME_RE.match(self.partition)):
+            raise SlurmSpecError("partition", f"{show(self.partition)}: not a partition name")
+        check_env(SlurmSpecError, "env", self.env, RESERVED_ENV, "is set by run.sh itself")
+        for attr in ("model_dir", "out_dir", "script_dir"):
+            value = getattr(self, attr)
+            check_text(SlurmSpecError, attr, value)
+            if not value.strip():
+                raise SlurmSpecError(attr, "must not be empty")
+        check_word(SlurmSpecError, "log_dir", self.log_dir)  # #SBATCH --output=<log_dir>/...
+        if self.model_arg is not None:
+            check_text(SlurmSpecError, "model_arg", self.model_arg)
+        check_text(SlurmSpecError, "description", self.description, allow_empty=True)
         c = self.container
         if c is not None:
             if c.runtime not in RUNTIMES:
-                raise LaunchSpecError("container", f"runtime {c.runtime!r}: one of {RUNTIMES}")
+                raise SlurmSpecError("container", f"runtime {show(c.runtime)}: one of {RUNTIMES}")
             if c.gpu_flag is not None and c.gpu_flag not in GPU_FLAGS:
-                raise LaunchSpecError("container", f"gpu_flag {c.gpu_flag!r}: one of {GPU_FLAGS} or None")
+                raise SlurmSpecError("container", f"gpu_flag {show(c.gpu_flag)}: one of {GPU_FLAGS} or None")
+            check_text(SlurmSpecError, "container.image", c.image)
+            check_text(SlurmSpecError, "container.workspace", c.workspace)
 
     @property
     def world_size(self) -> int:
         return self.ntasks or self.nodes * self.tasks_per_node
-
-
-def q(value) -> str:
-    return shlex.quote(str(value))
 
 
 def render_sbatch(spec: SlurmSpec) -> str:
@@ -121,11 +150,13 @@ def render_sbatch(spec: SlurmSpec) -> str:
               f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s)") + f" = world size {spec.world_size}"
              + (f"; container {spec.container.runtime} (rendered here, not executed)" if spec.container else ""),
              "# Submit from the repository root (Slurm opens the --output file first, so its folder must exist):",
-             f"#   mkdir -p {spec.log_dir} && sbatch {spec.script_dir}/submit.sbatch",
+             f"#   mkdir -p {quote(spec.log_dir)} && sbatch {quote(spec.script_dir + '/submit.sbatch')}",
+             *literal_note([spec.model_dir, spec.out_dir, spec.log_dir, spec.script_dir,
+                            *((spec.container.image, spec.container.workspace) if spec.container else ())]),
              "set -euo pipefail",
              "",
              'cd "${DISTLAB_ROOT:-${SLURM_SUBMIT_DIR:-.}}"',
-             f"MODEL_DIR={q(spec.model_dir)}",
+             f"MODEL_DIR={quote(spec.model_dir)}",
              'if [[ ! -f "$MODEL_DIR/config.json" ]]; then',
              '  echo "error: model folder $MODEL_DIR (with config.json) is missing on $(hostname);'
              ' stage it before submitting: jobs never download (HF_HUB_OFFLINE=1)" >&2',
@@ -137,21 +168,21 @@ def render_sbatch(spec: SlurmSpec) -> str:
              'MASTER_ADDR="$(scontrol show node -o "$MASTER_NODE" | grep -o \'NodeAddr=[^ ]*\' | cut -d= -f2)"',
              'MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"',
              "export MASTER_ADDR MASTER_PORT",
-             f"mkdir -p {q(spec.log_dir)} {q(spec.out_dir)}",
+             f"mkdir -p {quote(spec.log_dir)} {quote(spec.out_dir)}",
              'echo "job $SLURM_JOB_ID: $SLURM_NTASKS tasks on $SLURM_JOB_NODELIST, master $MASTER_ADDR:$MASTER_PORT"',
              ""]
     srun = ["srun", "--kill-on-bad-exit=1", f"--output={spec.log_dir}/%x-%j-rank%t.log"]
     run_sh = f"{spec.script_dir}/run.sh"
     if spec.container is None:
-        lines.append(" ".join(q(w) for w in srun) + " bash " + q(run_sh))
+        lines.append(" ".join(quote(w) for w in srun) + " bash " + quote(run_sh))
     else:
         c = spec.container
-        lines += [f"WORKSPACE={q(c.workspace)}", 'mkdir -p "$WORKSPACE"',
-                  " ".join(q(w) for w in srun) + " \\",
+        lines += [f"WORKSPACE={quote(c.workspace)}", 'mkdir -p "$WORKSPACE"',
+                  " ".join(quote(w) for w in srun) + " \\",
                   f"  {c.runtime} exec" + (f" {c.gpu_flag}" if c.gpu_flag else "") + " \\",
                   f'  --bind "$PWD:{APP_DIR}" --bind "$WORKSPACE:{WORKSPACE_DIR}" --bind "$MODEL_DIR:{MODEL_MOUNT}" \\',
                   f"  --pwd {APP_DIR} \\",
-                  f"  {q(c.image)} bash {q(APP_DIR + '/' + run_sh)}"]
+                  f"  {quote(c.image)} bash {quote(APP_DIR + '/' + run_sh)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -164,16 +195,17 @@ def render_run(spec: SlurmSpec) -> str:
              f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              "# One task of the job: srun starts it once per rank" + (" inside the container." if spec.container
                                                                      else "."),
+             *literal_note([*args, *spec.env.values(), out]),
              "set -euo pipefail",
              "",
              'export RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="${SLURM_LOCALID:-0}"',
              'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
              "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"]
-    lines += [f"export {k}={q(v)}" for k, v in sorted(spec.env.items())]
-    lines += [f'OUT_DIR={q(out)}/"$SLURM_JOB_ID"',
+    lines += [f"export {k}={quote(v)}" for k, v in sorted(spec.env.items())]
+    lines += [f'OUT_DIR={quote(out)}/"$SLURM_JOB_ID"',
               'echo "rank $RANK/$WORLD_SIZE on $(hostname) (${SLURMD_NODENAME:-?}), master $MASTER_ADDR:$MASTER_PORT"',
-              'exec "${PYTHON:-python3}" -m ' + q(spec.module) + " \\",
-              "  " + " ".join(q(a) for a in args) + ' --out-dir "$OUT_DIR"' if args else '  --out-dir "$OUT_DIR"']
+              'exec "${PYTHON:-python3}" -m ' + quote(spec.module) + " \\",
+              "  " + " ".join(quote(a) for a in args) + ' --out-dir "$OUT_DIR"' if args else '  --out-dir "$OUT_DIR"']
     return "\n".join(lines) + "\n"
 
 

@@ -5,15 +5,9 @@ A LaunchSpec is the one description every launch target is written from (torchru
 scripts that run torchrun; other writers can sit beside it). An invalid spec raises
 LaunchSpecError naming the field, at construction and again before writing.
 
-Secrets never go into a spec (its scripts are committed and copied between machines). An env name
-is refused when one of its underscore-separated words is TOKEN, SECRET, PASSWORD, PASSWD,
-PASSPHRASE, KEY, APIKEY, CREDENTIAL(S), AUTH or PRIVATE, or ends in TOKEN, SECRET, PASSWORD or
-APIKEY (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, MYTOKEN). Whole words, not substrings, so
-TOKENIZERS_PARALLELISM and MONKEY_PATCH pass. Names of the communication and runtime libraries
-(NCCL_*, GLOO_*, TORCH_*, TORCHELASTIC_*, CUDA_*, HIP_*, ROCR_*, OMP_*) are tuning knobs, never
-credentials, and are exempt. Any value (env, arguments, addresses) that looks like a well-known
-credential (hf_..., ghp_..., github_pat_..., sk-..., AKIA..., xox?-..., a PEM private key) is
-refused too. Pass secrets through the caller's environment, which the script inherits:
+Secrets never go into a spec (its scripts are committed and copied between machines): the rule for
+names and values, and the character and length rules every string follows, are distlab.launch.shell's,
+shared by every writer. Pass secrets through the caller's environment, which the script inherits:
 `HF_TOKEN=... launch/run_4gpu.sh`, or log in once per node (`huggingface-cli login`).
 
 `network` names a network preset (distlab.launch.network: lan-ethernet, cloud-no-rdma,
@@ -30,13 +24,11 @@ from typing import Sequence
 
 from distlab.config import PIPELINE_STRATEGIES, STRATEGY_NAMES
 from distlab.launch.network import NetworkPresetError, get_preset
+from distlab.launch.shell import NAME_RE, SpecError, check_env, check_fields, check_module, check_text, show
 
 RENDEZVOUS = ("standalone", "static", "c10d")
 TORCHRUN_SHUTDOWN_S = 30  # torchrun's default --shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
 
-_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_.-]*)$")  # name, IPv4, [IPv6]
 
 # torchrun sets these for every rank, and the script sets PYTHON itself: a spec must not.
@@ -46,25 +38,12 @@ RESERVED_ENV = {
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE", "PYTHON", "PYTHON_EXEC",
 }
-# Variables bash itself uses or owns; exporting them changes how the script runs.
-SHELL_ENV = {"IFS", "PATH", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV", "CDPATH", "PWD", "OLDPWD",
-             "HOME", "PPID", "UID", "EUID", "BASHPID", "SECONDS", "RANDOM", "LINENO", "PS4"}
-
-SECRET_WORDS = {"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "PASSWD", "PASSPHRASE",
-                "KEY", "KEYS", "APIKEY", "CREDENTIAL", "CREDENTIALS", "AUTH", "PRIVATE"}
-SECRET_SUFFIXES = ("TOKEN", "SECRET", "PASSWORD", "APIKEY")
-NON_SECRET_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "CUDA_", "HIP_", "ROCR_", "OMP_")
-_SECRET_VALUE_RE = re.compile(
-    r"hf_[A-Za-z0-9]{30,}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,}|sk-[A-Za-z0-9_-]{20,}"
-    r"|AKIA[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,}|-----BEGIN [A-Z ]*PRIVATE KEY-----")
 
 
-class LaunchSpecError(ValueError):
+class LaunchSpecError(SpecError):
     """An invalid LaunchSpec; `.field` names the offending field."""
 
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"LaunchSpec.{field_name}: {message}")
+    spec = "LaunchSpec"
 
 
 @dataclass
@@ -159,13 +138,12 @@ class LaunchSpec:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        _check_text("module", self.module)
-        if not _MODULE_RE.match(self.module):
-            raise LaunchSpecError("module", f"{self.module!r} is not a dotted Python module name")
+        # Every string first (control characters, length, secrets): the checks below may quote a value.
+        check_fields(LaunchSpecError, self)
+        check_module(LaunchSpecError, "module", self.module)
         for i, a in enumerate(self.args):
             if not isinstance(a, str):
-                raise LaunchSpecError("args", f"args[{i}] = {a!r} is not a string")
-            _check_text("args", a, allow_empty=True)
+                raise LaunchSpecError("args", f"args[{i}] = {show(a)} is not a string")
         for name in ("nproc_per_node", "nnodes", "timeout_s", "kill_after_s"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("node_rank", self.node_rank, minimum=0)
@@ -187,11 +165,11 @@ class LaunchSpec:
         if self.kill_after_s <= int(shutdown):
             raise LaunchSpecError("kill_after_s", f"{self.kill_after_s} s must outlast torchrun's shutdown timeout "
                                                   f"({shutdown} s), or a SIGKILLed torchrun orphans its ranks")
-        _check_text("log_dir", self.log_dir)
-        _check_text("python", self.python)
-        _check_text("description", self.description, allow_empty=True)
+        check_text(LaunchSpecError, "log_dir", self.log_dir)
+        check_text(LaunchSpecError, "python", self.python)
+        check_text(LaunchSpecError, "description", self.description, allow_empty=True)
         if self.repo_root is not None:
-            _check_text("repo_root", self.repo_root)
+            check_text(LaunchSpecError, "repo_root", self.repo_root)
             if self.repo_root.startswith("/"):
                 raise LaunchSpecError("repo_root", "must be relative to the scripts' folder, not absolute")
         self._validate_strategy()
@@ -226,7 +204,7 @@ class LaunchSpec:
             if not port.isdigit():
                 raise LaunchSpecError("rdzv_endpoint", f"port {port!r} in {self.rdzv_endpoint!r} is not a number")
             _check_port("rdzv_endpoint", int(port))
-            if not isinstance(self.rdzv_id, str) or not _NAME_RE.match(self.rdzv_id):
+            if not isinstance(self.rdzv_id, str) or not NAME_RE.match(self.rdzv_id):
                 raise LaunchSpecError("rdzv_id", f"{self.rdzv_id!r}: use letters, digits, '_', '.', '-'")
         if self.hosts:
             if len(self.hosts) != self.nnodes:
@@ -240,24 +218,12 @@ class LaunchSpec:
                 raise LaunchSpecError("hosts", f"the rendezvous host {self.rendezvous_host!r} is none of the nodes")
 
     def _validate_env(self) -> None:
-        for name, value in self.effective_env.items():
-            if not isinstance(name, str) or not _IDENT_RE.match(name):
-                raise LaunchSpecError("env", f"{name!r} is not a valid shell variable name")
-            if name in RESERVED_ENV:
-                raise LaunchSpecError("env", f"{name} is set by torchrun or by the script itself "
-                                             "(the interpreter is LaunchSpec.python)")
-            if name in SHELL_ENV:
-                raise LaunchSpecError("env", f"{name} is one of bash's own variables")
-            if looks_like_secret_name(name):
-                raise LaunchSpecError("env", f"{name} looks like a secret; scripts must hold none: pass it "
-                                             f"from the caller's environment instead ({name}=... script.sh)")
-            if not isinstance(value, str):
-                raise LaunchSpecError("env", f"{name}: value {value!r} is not a string")
-            _check_text("env", value, allow_empty=True, what=name)
+        check_env(LaunchSpecError, "env", self.effective_env, RESERVED_ENV,
+                  "is set by torchrun or by the script itself (the interpreter is LaunchSpec.python)")
         for name, note in self.env_notes.items():
             if name not in self.env:
                 raise LaunchSpecError("env_notes", f"{name} is not in env")
-            _check_text("env_notes", note, what=name)
+            check_text(LaunchSpecError, "env_notes", note, what=name)
 
     def _validate_strategy(self) -> None:
         in_args = _strategy_in_args(self.args)
@@ -294,19 +260,10 @@ class LaunchSpec:
                                       f"data-parallel size = {self.micro_batch_size} x {self.data_parallel_size}")
 
 
-def looks_like_secret_name(name: str) -> bool:
-    """The rule in the module docstring: whole words of the name, library prefixes exempt."""
-    upper = name.upper()
-    if upper.startswith(NON_SECRET_PREFIXES):
-        return False
-    words = [w for w in upper.split("_") if w]
-    return any(w in SECRET_WORDS or w.endswith(SECRET_SUFFIXES) for w in words)
-
-
 def check_output_name(name) -> None:
     """A name written files are called after (`<name>.sh`, `<name>/`): one plain path component."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise LaunchSpecError("name", f"{name!r}: use letters, digits, '_', '.', '-' (no folders)")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise LaunchSpecError("name", f"{show(name)}: use letters, digits, '_', '.', '-' (no folders)")
 
 
 def _strategy_in_args(args: Sequence[str]) -> str | None:
@@ -324,18 +281,6 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise LaunchSpecError(name, f"{value!r} is not an integer")
     if value < minimum:
         raise LaunchSpecError(name, f"{value} is below {minimum}")
-
-
-def _check_text(name: str, value, allow_empty: bool = False, what: str | None = None) -> None:
-    label = f"{what}: " if what else ""
-    if not isinstance(value, str):
-        raise LaunchSpecError(name, f"{label}{value!r} is not a string")
-    if not value and not allow_empty:
-        raise LaunchSpecError(name, f"{label}must not be empty")
-    if "\n" in value or "\r" in value or "\0" in value:
-        raise LaunchSpecError(name, f"{label}{value!r} contains a newline or NUL")
-    if _SECRET_VALUE_RE.search(value):
-        raise LaunchSpecError(name, f"{label}the value looks like a credential; scripts must hold no secrets")
 
 
 def _check_host(name: str, host) -> None:

@@ -13,7 +13,7 @@ What every script does, in order: `set -euo pipefail`; optionally cd to the repo
 spec's `python`, or $PYTHON from the caller's environment); export each environment variable
 with a comment saying why; create the log folder; then `exec timeout ... python -m
 torch.distributed.run ...` (torchrun, run through the interpreter so that it and every rank use
-the same Python even where no torchrun is on PATH). Every value is quoted with shlex.quote; the
+the same Python even where no torchrun is on PATH). Every value is quoted by distlab.launch.shell.quote; the
 output holds no timestamp and no path of the machine that wrote it, so it is deterministic.
 
 Why every job runs under coreutils `timeout --kill-after`: a distributed job whose peer died waits
@@ -34,11 +34,11 @@ with the rest of its environment, each variable with the preset's reason.
 from __future__ import annotations
 
 import posixpath
-import shlex
 from pathlib import Path
 from typing import Any
 
 from distlab.launch.generated import GENERATED_MARK, write_file
+from distlab.launch.shell import literal_note, quote
 from distlab.launch.spec import LaunchSpec, check_output_name
 
 # Why a variable is set, for the comment above its export. Others need LaunchSpec.env_notes.
@@ -116,12 +116,8 @@ def plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}{'es' if word.endswith('s') else 's'}"
 
 
-def _q(value) -> str:
-    return shlex.quote(str(value))
-
-
 def command_text(spec: LaunchSpec) -> str:
-    return " ".join([spec.python, "-m", spec.module, *map(_q, spec.args)])
+    return " ".join([spec.python, "-m", spec.module, *map(quote, spec.args)])
 
 
 def _node_ranks(spec: LaunchSpec) -> str:
@@ -149,10 +145,10 @@ def _placement(spec: LaunchSpec) -> str:
 def python_lines(spec: LaunchSpec) -> list[str]:
     """The lines that pick the interpreter: the spec's, unless $PYTHON is set."""
     out = ["# The interpreter for torchrun and, through it, every rank. Override: PYTHON=/path/to/python"]
-    if _q(spec.python) == spec.python:  # nothing to quote: safe inside "${PYTHON:-...}"
+    if quote(spec.python) == spec.python:  # nothing to quote: safe inside "${PYTHON:-...}"
         out += [f'PYTHON="${{PYTHON:-{spec.python}}}"']
     else:
-        out += [f"default_python={_q(spec.python)}", 'PYTHON="${PYTHON:-${default_python}}"']
+        out += [f"default_python={quote(spec.python)}", 'PYTHON="${PYTHON:-${default_python}}"']
     return out + [""]
 
 
@@ -165,7 +161,7 @@ def host_check_lines(spec: LaunchSpec) -> list[str]:
     return ["# The host this node rank belongs on. Started elsewhere (a copied script, a node rank given twice)",
             "# torchrun would wait for the missing node until its timeout: refuse at once instead.",
             "# DISTLAB_SKIP_HOST_CHECK=1 skips this (hosts given by a name other than `hostname`).",
-            f"node_rank={spec.node_rank} node_host={_q(spec.hosts[spec.node_rank])}",
+            f"node_rank={spec.node_rank} node_host={quote(spec.hosts[spec.node_rank])}",
             'this_host="$(hostname 2>/dev/null || true)"',
             'known_as=" ${this_host} $(hostname -I 2>/dev/null || true) "',
             'if [[ "${DISTLAB_SKIP_HOST_CHECK:-0}" != 1 && "${known_as}" != *" ${node_host} "* ]]; then',
@@ -186,7 +182,7 @@ def env_lines(spec: LaunchSpec) -> list[str]:
     out = ["# Environment for torchrun and every rank."]
     for name, value in env.items():
         note = spec.env_note(name) or ENV_NOTES.get(name) or "set by the launch spec"
-        out += [f"# {name}: {note}", f"export {name}={_q(value)}"]
+        out += [f"# {name}: {note}", f"export {name}={quote(value)}"]
     return out + [""]
 
 
@@ -210,22 +206,19 @@ def render_script(spec: LaunchSpec) -> str:
     ]
     if spec.network:
         out.append(f"# Network preset: {spec.network} (lib/distlab/launch/network_presets.yaml).")
-    values = [*spec.args, *spec.effective_env.values(), spec.log_dir, spec.python, spec.repo_root or ""]
-    if any("$" in v or "`" in v for v in values):  # shellcheck would suspect a forgotten expansion
-        out += ["# Single-quoted values are literal on purpose: $ and ` in them are not expanded.",
-                "# shellcheck disable=SC2016"]
+    out += literal_note([*spec.args, *spec.effective_env.values(), spec.log_dir, spec.python, spec.repo_root or ""])
     out += ["set -euo pipefail", ""]
     if spec.repo_root is not None:
         rel = posixpath.normpath(spec.repo_root if spec.nnodes == 1 else f"../{spec.repo_root}")
         out += ["# Paths below are relative to the repository root, wherever this script is started from.",
-                f'cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")"/{_q(rel)}', ""]
+                f'cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")"/{quote(rel)}', ""]
     else:
         out += ["# Paths below are relative to the directory this script is started from.", ""]
     out += host_check_lines(spec)
     out += python_lines(spec)
     out += env_lines(spec)
     out += ["# torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).",
-            f"mkdir -p -- {_q(spec.log_dir)}",
+            f"mkdir -p -- {quote(spec.log_dir)}",
             "",
             f"# timeout: SIGTERM after {spec.timeout_s} s, which torchrun forwards to the ranks it started",
             f"# (each in a session of its own); SIGKILL {spec.kill_after_s} s later, after torchrun's own",
@@ -237,8 +230,8 @@ def render_script(spec: LaunchSpec) -> str:
     flags = torchrun_flags(spec.nproc_per_node, **_rendezvous_of(spec), max_restarts=spec.max_restarts,
                            log_dir=spec.log_dir)
     for group in flags:
-        out.append("  " + " ".join(map(_q, group)) + " \\")
-    out.append("  " + " ".join(["-m", _q(spec.module), *map(_q, spec.args)]))
+        out.append("  " + " ".join(map(quote, group)) + " \\")
+    out.append("  " + " ".join(["-m", quote(spec.module), *map(quote, spec.args)]))
     return "\n".join(out) + "\n"
 
 
@@ -253,7 +246,7 @@ def _fingerprint_command(spec: LaunchSpec, node_rank: int) -> str:
     if "GLOO_SOCKET_IFNAME" in env:  # the fingerprint talks gloo: pin its interface as the job does
         parts.insert(0, f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}")
     parts += ["-m", "distlab.workers.fingerprint", "--out", "build/runs/envcheck/fingerprint.json"]
-    return " ".join(map(_q, parts))
+    return " ".join(map(quote, parts))
 
 
 def render_readme(spec: LaunchSpec, name: str) -> str:

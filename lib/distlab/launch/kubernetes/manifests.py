@@ -42,6 +42,7 @@ import yaml
 
 from distlab.launch.generated import GENERATED_MARK
 from distlab.launch.kubernetes.pod import APP_DIR, DOCKERIGNORE, K8S_DIR, render_dockerfile, render_entrypoint
+from distlab.launch.shell import SpecError, check_fields, show
 from distlab.launch.spec import LaunchSpec
 
 NAMESPACE = "distlab-bench"
@@ -52,14 +53,14 @@ GPU_RESOURCE = "nvidia.com/gpu"
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # RFC 1123 label (at most 63 characters)
 DNS_1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # Service names start with a letter
 QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+# An image reference's characters ([registry[:port]/]path[:tag][@digest]): nothing a shell or YAML would read.
+IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
 
 
-class KubeJobError(ValueError):
+class KubeJobError(SpecError):
     """An invalid KubeJob; `.field` names the offending field."""
 
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        super().__init__(f"KubeJob.{field_name}: {message}")
+    spec = "KubeJob"
 
 
 def master_host(job_name: str, service: str = SERVICE) -> str:
@@ -121,30 +122,32 @@ class KubeJob:
 
     def validate(self) -> None:
         self.spec.validate()
+        check_fields(KubeJobError, self)  # control characters, length, secrets: before any value is quoted
         last_host = f"{self.name}-{self.nnodes - 1}"
         if not isinstance(self.name, str) or not DNS_LABEL_RE.match(self.name) or len(last_host) > 63:
-            raise KubeJobError("name", f"{self.name!r}: lower-case letters, digits and '-', short enough that the "
-                                       f"last pod's host name {last_host!r} fits 63 characters")
+            raise KubeJobError("name", f"{show(self.name)}: lower-case letters, digits and '-', short enough that the "
+                                       f"last pod's host name {show(last_host)} fits 63 characters")
         if not isinstance(self.namespace, str) or not DNS_LABEL_RE.match(self.namespace) or len(self.namespace) > 63:
-            raise KubeJobError("namespace", f"{self.namespace!r} is not a DNS-1123 label")
+            raise KubeJobError("namespace", f"{show(self.namespace)} is not a DNS-1123 label")
         if not isinstance(self.service, str) or not DNS_1035_RE.match(self.service) or len(self.service) > 63:
-            raise KubeJobError("service", f"{self.service!r}: a Service name starts with a letter (DNS-1035 label)")
+            raise KubeJobError("service", f"{show(self.service)}: a Service name starts with a letter (DNS-1035 label)")
         if self.spec.rendezvous != "static" or self.spec.master_addr != self.master_host:
-            raise KubeJobError("spec", f"needs rendezvous='static' and master_addr={self.master_host!r} (pod 0 of "
+            raise KubeJobError("spec", f"needs rendezvous='static' and master_addr={show(self.master_host)} (pod 0 of "
                                        "the Job through the headless Service): build it with kube_spec()")
-        if not isinstance(self.image, str) or not self.image or any(c.isspace() for c in self.image):
-            raise KubeJobError("image", f"{self.image!r} is not an image reference")
+        if not isinstance(self.image, str) or not IMAGE_RE.match(self.image):
+            raise KubeJobError("image", f"{show(self.image)} is not an image reference "
+                                        "([registry/]path[:tag][@digest])")
         for name in ("gpus_per_pod", "backoff_limit", "dns_wait_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "dns_wait_s" else 0):
-                raise KubeJobError(name, f"{value!r} is not a whole number in range")
+                raise KubeJobError(name, f"{show(value)} is not a whole number in range")
         if self.gpus_per_pod and self.gpus_per_pod != self.spec.nproc_per_node:
             raise KubeJobError("gpus_per_pod", f"{self.gpus_per_pod} GPUs for {self.spec.nproc_per_node} processes "
                                                "per pod: local rank i takes GPU i, one each")
         for name in ("cpu", "memory", "shm_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not QUANTITY_RE.match(value)):
-                raise KubeJobError(name, f"{value!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+                raise KubeJobError(name, f"{show(value)} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
 
 
 # ---------------------------------------------------------------------- manifests

@@ -5,7 +5,8 @@ The entrypoint (bash, the container's command): the node rank from JOB_COMPLETIO
 when it is missing, not a number or out of range), the master from MASTER_ADDR/MASTER_PORT (set by the
 Job; the spec's values as defaults), a bounded wait until the master's DNS name resolves (skipped for an
 IP address), then the same torchrun invocation as distlab.launch.torchrun's scripts: torchrun_flags, the
-spec's environment with its network preset, `exec timeout --kill-after` around it. Every value is quoted.
+spec's environment with its network preset, `exec timeout --kill-after` around it. Every value is checked and quoted by
+distlab.launch.shell, as in every other writer.
 
 The image: torch 2.13.0 first, then distlab under requirements.lock as constraints (as `make env` does),
 the default model built in and HF_HUB_OFFLINE=1; its default command is the smoke job's entrypoint.
@@ -14,10 +15,10 @@ the default model built in and HF_HUB_OFFLINE=1; its default command is the smok
 from __future__ import annotations
 
 import posixpath
-import shlex
 from typing import TYPE_CHECKING
 
 from distlab.launch.generated import GENERATED_MARK
+from distlab.launch.shell import literal_note, quote
 from distlab.launch.torchrun import command_text, env_lines, plural, python_lines, torchrun_flags
 
 if TYPE_CHECKING:
@@ -30,10 +31,6 @@ _SHELL_VALUES = {"@NODE_RANK@": '"$node_rank"', "@MASTER_ADDR@": '"$MASTER_ADDR"
 
 
 # ---------------------------------------------------------------------- the entrypoint
-
-def _q(value) -> str:
-    return shlex.quote(str(value))
-
 
 def render_entrypoint(job: KubeJob) -> str:
     """The container's command for every pod of `job` (pod i runs node rank i)."""
@@ -55,14 +52,11 @@ def render_entrypoint(job: KubeJob) -> str:
     if spec.network:
         out.append(f"# Network preset: {spec.network} (lib/distlab/launch/network_presets.yaml).")
     out += ["#", f"# {GENERATED_MARK} from a LaunchSpec: change the spec and regenerate, not this file."]
-    values = [*spec.args, *spec.effective_env.values(), spec.log_dir, spec.python, spec.repo_root or ""]
-    if any("$" in v or "`" in v for v in values):
-        out += ["# Single-quoted values are literal on purpose: $ and ` in them are not expanded.",
-                "# shellcheck disable=SC2016"]
+    out += literal_note([*spec.args, *spec.effective_env.values(), spec.log_dir, spec.python, spec.repo_root or ""])
     out += ["set -euo pipefail", ""]
     if spec.repo_root is not None:
         out += ["# Paths below are relative to the repository root (the image's working directory).",
-                f'cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")"/{_q(posixpath.normpath(spec.repo_root))}', ""]
+                f'cd -- "$(dirname -- "${{BASH_SOURCE[0]}}")"/{quote(posixpath.normpath(spec.repo_root))}', ""]
     else:
         out += ["# Paths below are relative to the directory this script is started from.", ""]
     out += python_lines(spec)
@@ -105,7 +99,7 @@ def render_entrypoint(job: KubeJob) -> str:
         "",
     ]
     out += env_lines(spec)
-    out += [f"mkdir -p -- {_q(spec.log_dir)}",
+    out += [f"mkdir -p -- {quote(spec.log_dir)}",
             f'say "node $node_rank of $nnodes, master $MASTER_ADDR:$MASTER_PORT, '
             f'{plural(spec.nproc_per_node, "process")} here"',
             "",
@@ -118,8 +112,8 @@ def render_entrypoint(job: KubeJob) -> str:
                            master_addr="@MASTER_ADDR@", master_port="@MASTER_PORT@", max_restarts=spec.max_restarts,
                            log_dir=spec.log_dir)
     for group in flags:
-        out.append("  " + " ".join(_SHELL_VALUES.get(w, _q(w)) for w in group) + " \\")
-    out.append("  " + " ".join(["-m", _q(spec.module), *map(_q, spec.args)]))
+        out.append("  " + " ".join(_SHELL_VALUES.get(w, quote(w)) for w in group) + " \\")
+    out.append("  " + " ".join(["-m", quote(spec.module), *map(quote, spec.args)]))
     return "\n".join(out) + "\n"
 
 
