@@ -197,6 +197,10 @@ def _env(job, name, value):
     env[:] = [e for e in env if e["name"] != name] + ([{"name": name, "value": value}] if value is not None else [])
 
 
+def _limit(job, kind, name, value):
+    _c(job).setdefault("resources", {}).setdefault(kind, {})[name] = value
+
+
 BREAKS = {
     "schema": lambda s, j: _c(j).update(imagePullPolcy="IfNotPresent"),  # a misspelt field
     "schema-type": lambda s, j: j["spec"].update(completions="2"),
@@ -220,8 +224,18 @@ BREAKS = {
     "image": lambda s, j: _c(j).update(image=""),
     "shm": lambda s, j: j["spec"]["template"]["spec"]["volumes"][0]["emptyDir"].pop("medium"),
     "run-label": lambda s, j: j["spec"]["template"]["metadata"]["labels"].pop("distlab.io/run"),
+    "resources": lambda s, j: _limit(j, "limits", "nvidia.com/gpu", "1.5"),
+    "resources-negative": lambda s, j: _limit(j, "limits", "nvidia.com/gpu", -1),
+    "resources-word": lambda s, j: _limit(j, "limits", "nvidia.com/gpu", "abc"),
+    "resources-memory": lambda s, j: _limit(j, "requests", "memory", "lots"),
+    "resources-shm": lambda s, j: j["spec"]["template"]["spec"]["volumes"][0]["emptyDir"].update(sizeLimit="-16Gi"),
+    "secrets": lambda s, j: _env(j, "HF_TOKEN", "not-in-a-manifest"),
+    "secrets-value": lambda s, j: _env(j, "SOME_SETTING", "hf_" + "a" * 34),
+    "secrets-args": lambda s, j: _c(j).update(args=["--token", "ghp_" + "b" * 36]),
 }
-SCHEMA_BLIND = {"names", "completion-mode", "restart-policy", "image", "master-addr"}  # the schema accepts these
+# the schema accepts these
+SCHEMA_BLIND = {"names", "completion-mode", "restart-policy", "image", "master-addr", "resources", "resources-negative",
+                "resources-word", "secrets", "secrets-value"}
 
 
 def test_the_unbroken_documents_pass():
@@ -242,6 +256,44 @@ def test_each_check_rejects_a_broken_manifest(case):
     if case in SCHEMA_BLIND:  # ... and the schema alone would have let it through
         docs = _docs(BREAKS[case])
         assert [p for d in docs for p in checks.schema_problems(d)] == []
+
+
+def test_a_secret_from_a_secret_is_fine():
+    def from_secret(s, j):
+        _c(j)["env"].append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}})
+    assert checks.validate_docs(_docs(from_secret), versions=()) == {"service.yaml": [], "job.yaml": []}
+
+
+def test_the_same_object_twice_is_a_duplicate_across_files():
+    service, job = manifests.service_manifest(), manifests.job_manifest(catalog.kube_job(ROWS["ddp-2gpu"]))
+    docs = [Doc("service.yaml", 0, service), Doc("a.yaml", 0, job), Doc("b.yaml", 1, job)]
+    found = checks.validate_docs(docs, versions=())
+    assert found["service.yaml"] == [] and found["a.yaml"] == []
+    assert [p.check for p in found["b.yaml"]] == ["duplicates"] and "a.yaml (document 1)" in str(found["b.yaml"][0])
+    other = dict(job, metadata={**job["metadata"], "namespace": "elsewhere"})  # another namespace: another object
+    assert "duplicates" not in {p.check for ps in checks.validate_docs(
+        [Doc("a.yaml", 0, job), Doc("b.yaml", 0, other)], versions=()).values() for p in ps}
+
+
+def test_a_file_named_twice_is_read_once(capsys):
+    path = str(K8S / "service.yaml")
+    assert command.main(["validate", path, str(K8S / "." / "service.yaml"), str(K8S)]) == 0
+    out = capsys.readouterr().out
+    assert "[duplicates]" not in out and f"{2 + len(ROWS)} file(s): {2 + len(ROWS)} OK" in out
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n---\n", b"\x89PNG\r\n\x1a\n\x00\xff"])
+def test_an_empty_or_binary_file_fails(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert command.main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL {path}: 1 problem(s)") and ("no Kubernetes object" in out or "not UTF-8" in out)
+
+
+def test_a_folder_without_manifests_is_an_error(tmp_path, capsys):
+    assert command.main(["validate", str(tmp_path)]) == 2
+    assert capsys.readouterr().out.strip() == f"{tmp_path}: no *.yaml or *.yml file under this folder"
 
 
 # ------------------------------------------------------------------ shell and image

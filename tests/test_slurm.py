@@ -89,11 +89,21 @@ def test_script_contents():
     ("time", dict(time="")), ("partition", dict(partition="gpu; rm")), ("env", dict(env={"HF_TOKEN": "x"})),
     ("model_dir", dict(model_dir=" ")), ("container", dict(container=Container("x.sif", runtime="docker"))),
     ("container", dict(container=Container("x.sif", gpu_flag="--gpus"))),
+    # a newline or CR would start a line of submit.sbatch of its own: a command run when the job starts
+    ("description", dict(description="x\ntouch PWNED")), ("log_dir", dict(log_dir="logs\r\ntouch PWNED")),
+    ("script_dir", dict(script_dir="jobs\ntouch PWNED")), ("out_dir", dict(out_dir="o\x00")),
+    ("log_dir", dict(log_dir="logs dir")), ("log_dir", dict(log_dir="logs/%j")),  # unquoted in #SBATCH --output
+    ("container.image", dict(container=Container("x\n.sif"))),
+    # the secret rule of every writer: credential-looking values anywhere, secret names, run.sh's own names
+    ("env", dict(env={"X": "hf_" + "a" * 34})), ("args", dict(args=["--token", "hf_" + "a" * 34])),
+    ("description", dict(description="token hf_" + "a" * 34)), ("log_dir", dict(log_dir="hf_" + "a" * 34)),
+    ("env", dict(env={"RANK": "0"})), ("env", dict(env={"PATH": "/bin"})), ("module", dict(module="a b")),
 ])
 def test_invalid_specs_name_the_field(field, kwargs):
     with pytest.raises(LaunchSpecError) as err:
         SlurmSpec(**{"name": "ok", **kwargs})
-    assert err.value.field == field
+    assert err.value.field == field and str(err.value).startswith(f"SlurmSpec.{field}: ")
+    assert "\n" not in str(err.value) and "\r" not in str(err.value)
 
 
 def test_launch_slurm_is_what_the_generator_writes():

@@ -15,7 +15,15 @@ list). Two layers:
   (Never or OnFailure, which a Job allows; Never when pods rendezvous), `headless-service` (clusterIP None,
   publishNotReadyAddresses, a selector matching the Job's pod labels), `subdomain` (= a headless Service
   in the same namespace), `master-addr` (`<job>-0.<service>`, and a port), `image`, `shm` (/dev/shm
-  memory-backed) and `run-label` (what the collector selects pods by).
+  memory-backed), `run-label` (what the collector selects pods by), and the generator's own rules
+  (distlab.launch.kubernetes.manifests, distlab.launch.shell), so that a hand-edited manifest is held to
+  what a generated one could be: `resources` (GPUs a whole number, other quantities as KubeJob accepts
+  them), `secrets` (no literal value for a secret-looking variable, no credential-looking value in a
+  container's env, command or args: the secret rule of every script writer) and `duplicates` (one
+  object per kind, namespace and name across all files given; kubectl would apply the last one).
+
+An empty file, one with only comments, a file that is not UTF-8 and a folder without YAML files are
+errors too: a path that names nothing to check must not pass.
 
 Checks that relate documents (a Job and its Service) look at all files given together.
 """
@@ -29,11 +37,12 @@ from typing import Iterable, Sequence
 
 import yaml
 
-from distlab.launch.kubernetes.manifests import DNS_1035_RE, DNS_LABEL_RE, LABEL_RUN
+from distlab.launch.kubernetes.manifests import DNS_1035_RE, DNS_LABEL_RE, GPU_RESOURCE, LABEL_RUN, QUANTITY_RE
+from distlab.launch.shell import looks_like_secret_name, looks_like_secret_value, show
 
 VERSIONS = ("1.30", "1.34")
 CHECKS = ("schema", "names", "pod-hostname", "completion-mode", "parallelism", "restart-policy", "headless-service",
-          "subdomain", "master-addr", "image", "shm", "run-label")
+          "subdomain", "master-addr", "image", "shm", "run-label", "resources", "secrets", "duplicates")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -74,20 +83,26 @@ class Doc:
 
 def yaml_files(paths: Iterable[str | Path]) -> list[Path]:
     """The files named, and every *.yaml / *.yml under the folders named, in a stable order."""
-    out: list[Path] = []
+    out: dict[Path, Path] = {}  # resolved -> as given: a file named twice (or through a folder) is read once
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(q for q in p.rglob("*") if q.suffix in (".yaml", ".yml") and q.is_file())
+            found = sorted(q for q in p.rglob("*") if q.suffix in (".yaml", ".yml") and q.is_file())
+            if not found:
+                raise FileNotFoundError(f"{p}: no *.yaml or *.yml file under this folder")
         elif p.is_file():
-            out.append(p)
+            found = [p]
         else:
             raise FileNotFoundError(f"{p}: no such file or folder")
-    return list(dict.fromkeys(out))
+        for q in found:
+            out.setdefault(q.resolve(), q)
+    return list(out.values())
 
 
 def load_docs(path: Path) -> tuple[list[Doc], list[Problem]]:
     try:
         bodies = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
+    except UnicodeDecodeError as e:
+        return [], [Problem("schema", str(path), f"not UTF-8 text (byte {e.start}): not a manifest")]
     except yaml.YAMLError as e:
         return [], [Problem("schema", str(path), f"not valid YAML: {e}")]
     docs, problems = [], []
@@ -96,6 +111,8 @@ def load_docs(path: Path) -> tuple[list[Doc], list[Problem]]:
             problems.append(Problem("schema", f"document {i + 1}", "not a Kubernetes object (kind, apiVersion)"))
         else:
             docs.append(Doc(str(path), i, body))
+    if not docs and not problems:
+        problems.append(Problem("schema", str(path), "no Kubernetes object: the file is empty or holds only comments"))
     return docs, problems
 
 
@@ -244,6 +261,79 @@ def _shm_problems(job: Doc, containers: list, pod: dict) -> list[Problem]:
     return out
 
 
+def _containers(pod: dict) -> list[dict]:
+    return [c for key in ("initContainers", "containers") for c in pod.get(key) or [] if isinstance(c, dict)]
+
+
+def _quantity_ok(value) -> bool:
+    """What KubeJob accepts for cpu, memory and shm_size (QUANTITY_RE), YAML numbers included."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return False
+    return bool(QUANTITY_RE.match(str(value)))
+
+
+def resource_problems(job: Doc) -> list[Problem]:
+    """GPUs a whole number (an extended resource cannot be split), every other quantity as the generator's."""
+    out, pod = [], _pod(job)
+    for c in _containers(pod):
+        resources = c.get("resources") or {}
+        for kind in ("limits", "requests"):
+            for name, value in (resources.get(kind) or {}).items():
+                if name == GPU_RESOURCE:
+                    whole = (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or \
+                        (isinstance(value, str) and value.isdigit())
+                    if not whole:
+                        out.append(Problem("resources", job.where, f"container {c.get('name')!r}: {kind} "
+                                                                   f"{name} {show(value)} is not a whole number of "
+                                                                   "GPUs"))
+                elif not _quantity_ok(value):
+                    out.append(Problem("resources", job.where, f"container {c.get('name')!r}: {kind} {name} "
+                                                               f"{show(value)} is not a quantity (e.g. 8, 500m, 64Gi)"))
+    for v in pod.get("volumes") or []:
+        size = ((v.get("emptyDir") or {}) if isinstance(v, dict) else {}).get("sizeLimit")
+        if size is not None and not _quantity_ok(size):
+            out.append(Problem("resources", job.where, f"volume {v.get('name')!r}: sizeLimit {show(size)} is not a "
+                                                       "quantity (e.g. 16Gi)"))
+    return out
+
+
+def secret_problems(job: Doc) -> list[Problem]:
+    """The secret rule of every script writer (distlab.launch.shell): a secret comes from a Secret
+    (valueFrom.secretKeyRef), never as a literal in a manifest that is committed and shared."""
+    out = []
+    for c in _containers(_pod(job)):
+        where = f"container {c.get('name')!r}"
+        for e in c.get("env") or []:
+            if not isinstance(e, dict) or "value" not in e:
+                continue  # valueFrom: the way to pass a secret
+            name, value = str(e.get("name")), e.get("value")
+            if looks_like_secret_name(name):
+                out.append(Problem("secrets", job.where, f"{where}: env {name} has a literal value and looks like a "
+                                                         "secret: take it from a Secret (valueFrom.secretKeyRef)"))
+            elif isinstance(value, str) and looks_like_secret_value(value):
+                out.append(Problem("secrets", job.where, f"{where}: env {name}'s value looks like a credential"))
+        for key in ("command", "args"):
+            if any(isinstance(w, str) and looks_like_secret_value(w) for w in c.get(key) or []):
+                out.append(Problem("secrets", job.where, f"{where}: an item of {key} looks like a credential"))
+    return out
+
+
+def duplicate_problems(docs: Sequence[Doc]) -> list[tuple[Doc, Problem]]:
+    """Every object after the first of its kind, namespace and name (kubectl would keep only the last)."""
+    first: dict[tuple, Doc] = {}
+    out = []
+    for d in docs:
+        key = (d.kind, d.namespace, d.name)
+        if key in first:
+            f = first[key]
+            scope = f"namespace {d.namespace}" if d.namespace else "the cluster (or the default namespace)"
+            out.append((d, Problem("duplicates", d.where, f"{scope} already has it from {f.file} (document "
+                                                          f"{f.index + 1}); the later would replace it")))
+        else:
+            first[key] = d
+    return out
+
+
 def service_problems(doc: Doc) -> list[Problem]:
     spec = doc.body.get("spec") or {}
     out = []
@@ -267,9 +357,11 @@ def validate_docs(docs: Sequence[Doc], versions: Sequence[str] = VERSIONS) -> di
     for d in docs:
         found[d.file] += schema_problems(d, versions) + name_problems(d)
         if d.kind == "Job":
-            found[d.file] += job_problems(d, services)
+            found[d.file] += job_problems(d, services) + resource_problems(d) + secret_problems(d)
         elif d.kind == "Service":
             found[d.file] += service_problems(d)
+    for d, problem in duplicate_problems(docs):
+        found[d.file].append(problem)
     return found
 
 
