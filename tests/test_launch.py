@@ -356,7 +356,8 @@ def test_check_reports_every_kind_of_difference_and_regenerate_repairs(tmp_path,
                      "old_run.sh: not produced", "notes.txt: not produced"]:
         assert expected in out
     assert catalog.main(["regenerate", "--dir", str(root)]) == 0
-    assert generated.check_dir(root, files) == ["notes.txt: not produced by the generator (stale or hand-written)"]
+    assert generated.check_dir(root, files) == [
+        "notes.txt: not produced by the generator (hand-written? delete it, or move it out: regenerate keeps it)"]
     assert not (root / "old_run.sh").exists() and (root / "notes.txt").exists()
 
 

@@ -23,19 +23,26 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "deepspeed", "tokeniz
 OUTPUT_PATHS = ("figures",)
 
 
+def run_git(root: str | Path, *args: str, timeout: float = 10, check: bool = False,
+            text: bool = True) -> subprocess.CompletedProcess:
+    """`git -C root ARGS...`, read-only: never taking the repository's index lock.
+
+    `git status` refreshes the index's cached file stats and writes it back under .git/index.lock, an
+    optional lock: taken while a training rank stamps its provenance, it makes the user's own `git commit`
+    or `git add` at that moment fail with "index.lock: File exists". --no-optional-locks (git >= 2.15)
+    skips that write and passes GIT_OPTIONAL_LOCKS=0 on to any git it starts. Every git the library runs
+    goes through here."""
+    return subprocess.run(["git", "--no-optional-locks", "-C", str(root), *args],
+                          capture_output=True, text=text, timeout=timeout, check=check)
+
+
 def git_commit(short: bool = True, root: str | Path = REPO_ROOT) -> str:
     """The commit of the working tree, with '+dirty' when an input (any tracked file outside
     OUTPUT_PATHS) has uncommitted changes."""
     try:
-        rev = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short" if short else "--verify", "HEAD"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.strip()
+        rev = run_git(root, "rev-parse", "--short" if short else "--verify", "HEAD", check=True).stdout.strip()
         outputs = [f":(exclude){path}" for path in OUTPUT_PATHS]
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", ".", *outputs],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()
+        dirty = run_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *outputs).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

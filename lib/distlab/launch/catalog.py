@@ -14,12 +14,13 @@ writes its manifest and entrypoint, plus the shared Namespace, Service and Docke
 from __future__ import annotations
 
 import argparse
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from distlab.config import load_config
-from distlab.launch.generated import GENERATED_MARK, check_dir, regenerate
+from distlab.launch.generated import GENERATED_MARK, check_dir, extra_files, regenerate
 from distlab.launch.kubernetes import manifests
 from distlab.launch.kubernetes.manifests import KubeJob, kube_spec
 from distlab.launch.kubernetes.manifests import render_files as render_kube
@@ -287,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{shown}: {len(problems)} file(s) differ from what distlab.launch writes:")
         for p in problems:
             print(f"  {p}")
+        extra = [rel for rel, _ in extra_files(args.dir, files)]
+        if extra:
+            # Exactly what to delete, in a form that can be pasted: regenerate deletes only its own
+            # stale output, never a person's file or a link.
+            print(f"Extra files ({len(extra)}), to delete: rm -- " + " ".join(shlex.quote(str(Path(args.dir) / rel))
+                                                                       for rel in extra))
         print("Run `python -m distlab.launch regenerate` (and review the diff).")
         return 1
     print(f"{shown}: up to date ({len(files)} files)")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from distlab.launch.generated import GENERATED_MARK
+from distlab.launch.generated import GENERATED_MARK, write_file
 from distlab.launch.shell import (
     NAME_RE,
     check_env,
@@ -215,17 +215,12 @@ def render_files(spec: SlurmSpec) -> dict[str, str]:
 
 
 def write_files(spec: SlurmSpec, root) -> list:
-    """Write the job's two files under root/<spec.script_dir>/ (the folder run.sh is expected in)."""
+    """Write the job's two files under root/<spec.script_dir>/ (the folder run.sh is expected in), through
+    the one generated-file writer (atomic, never through a symbolic link inside that folder)."""
     from pathlib import Path  # deferred: only writing needs paths
 
-    out = []
-    for rel, text in render_files(spec).items():
-        path = Path(root) / spec.script_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        path.chmod(0o755)
-        out.append(path)
-    return out
+    folder = Path(root) / spec.script_dir
+    return [write_file(folder / rel, text, root=folder) for rel, text in render_files(spec).items()]
 
 
 # ---------------------------------------------------------------------- the committed examples

@@ -352,8 +352,4 @@ def render_files(spec: LaunchSpec, name: str) -> dict[str, str]:
 def write_scripts(spec: LaunchSpec, out_dir: str | Path, name: str) -> list[Path]:
     """Write `<name>.sh` (one node) or `<name>/node0.sh ... README.md` (several); return the paths."""
     out_dir = Path(out_dir)
-    written = []
-    for rel, text in render_files(spec, name).items():
-        write_file(out_dir / rel, text)
-        written.append(out_dir / rel)
-    return written
+    return [write_file(out_dir / rel, text, root=out_dir) for rel, text in render_files(spec, name).items()]

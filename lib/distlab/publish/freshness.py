@@ -36,7 +36,7 @@ import nbformat
 
 from distlab import paths
 from distlab.cli import run_main
-from distlab.provenance import git_commit
+from distlab.provenance import git_commit, run_git
 from distlab.publish.profiles import discover, load_profiles, parameters_for
 
 # What every chapter depends on besides its notebook (tracked files only, so a clean clone agrees).
@@ -48,8 +48,7 @@ SIDECAR_SUFFIX = ".provenance.json"
 def _tracked(root: Path, roots: Sequence[str]) -> list[Path]:
     """Tracked files under `roots`, sorted; every file under them when `root` is no git checkout."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--", *roots],
-                             capture_output=True, timeout=30, check=True).stdout
+        out = run_git(root, "ls-files", "-z", "--", *roots, timeout=30, check=True, text=False).stdout
         files = [root / name for name in out.decode().split("\0") if name]
     except (OSError, subprocess.SubprocessError):
         files = [p for r in roots for p in (root / r).rglob("*") if p.is_file()] if roots else []
