@@ -1,12 +1,21 @@
 """Periodic checkpoints that a killed run can resume from without losing anything they hold.
 
 Layout: <output_dir>/checkpoints/step-00000012/ with the trained weights, optimizer, scheduler,
-batch position, the step log so far, one RNG file per rank, and COMPLETE written last. Writing
-goes to a hidden temporary folder that is renamed into place only when every rank has written
-its part, so a crash mid-write leaves the previous checkpoint as the newest complete one."""
+batch position, the step log so far, one RNG file per rank, the run's fingerprint, and COMPLETE
+written last. Writing goes to a hidden temporary folder that is renamed into place only when every
+rank has written its part, so a crash mid-write leaves the previous checkpoint as the newest complete one.
+
+The fingerprint (`fingerprint`) names everything that changes what the run computes: the model, the
+data files' contents, the optimizer, schedule and batch settings, and the world layout. A run resumes a
+checkpoint only when its own fingerprint is the same (`check_resume`); otherwise it stops with one line
+naming the fields that differ, since continuing would train at the old run's schedule, or not at all,
+while recording the new settings. `resume: force` continues anyway and the run's metadata says so."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import random
 import shutil
 from pathlib import Path
@@ -15,8 +24,101 @@ from typing import Any
 import torch
 
 from distlab import faults
+from distlab.config import TrainConfig
 
 COMPLETE = "COMPLETE"
+FINGERPRINT = "fingerprint.json"
+
+# TrainConfig fields that leave every step's numbers as they are: where things run, what is measured or
+# written, how often, and memory-for-time trades (recomputation, resharding, offload, the order a pipeline
+# schedule runs the same micro-batches in). Every other field is in the fingerprint: a field added later
+# is compared unless it is named here. The batch fields and data files enter it resolved (below).
+NOT_IN_FINGERPRINT = frozenset({
+    "device", "num_threads", "collective_timeout_s", "measure_comm", "measure_state", "activation_checkpointing",
+    "fsdp_reshard_after_forward", "zero_offload_optimizer", "pipeline_schedule", "checkpoint_steps",
+    "keep_checkpoints", "resume", "output_dir", "logging_steps", "eval_at_start", "eval_at_end", "save_model",
+    "progress", "train_file", "eval_file", "micro_batch_size", "grad_accum", "global_batch_size"})
+# How the saved state is cut between ranks: a checkpoint of another layout cannot be loaded, forced or not.
+LAYOUT = ("world_size", "data_parallel_size", "pipeline_stages")
+_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(TrainConfig)}
+
+
+class ResumeMismatch(ValueError):
+    """The output folder's newest checkpoint was written by a run with other settings (or records none)."""
+
+
+def file_digest(path: str | Path | None) -> str | None:
+    """sha256 of a file's bytes (the first 16 hex digits): the same data under another name is the same data."""
+    if path is None:
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _model_identity(model: str | None) -> dict[str, Any]:
+    """The model's name; for a local folder also its config's digest (a folder overwritten by another model)."""
+    name = model or "distlab-tiny"
+    config = Path(name).expanduser() / "config.json"
+    return {"model": name, "model_config": file_digest(config) if config.is_file() else None}
+
+
+def fingerprint(cfg: TrainConfig, world_size: int, data_parallel_size: int, pipeline_stages: int,
+                grad_accum: int) -> dict[str, Any]:
+    """Everything that changes what a run computes, as JSON values: the fields of `cfg` not in
+    NOT_IN_FINGERPRINT, the model's identity, the data files' digests, the batch as it resolves on this world
+    (micro batch x accumulation x data-parallel ranks: a global_batch_size and the grad_accum it implies are
+    the same run) and the world layout."""
+    values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IN_FINGERPRINT}
+    values.update(_model_identity(cfg.model))
+    values.update(train_data=file_digest(cfg.train_file), eval_data=file_digest(cfg.eval_file),
+                  micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum,
+                  global_batch_size=cfg.micro_batch_size * grad_accum * data_parallel_size,
+                  world_size=world_size, data_parallel_size=data_parallel_size, pipeline_stages=pipeline_stages)
+    return json.loads(json.dumps(values))  # tuples as lists: compared as they will read back
+
+
+def _step(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
+def check_resume(path: Path, current: dict[str, Any], max_steps: int, force: bool = False) -> list[str]:
+    """Whether this run may resume checkpoint `path`: the fields its fingerprint differs in from `current`
+    (empty: the same run). ResumeMismatch, one line, when any differ (unless `force`), when it records no
+    fingerprint (unless `force`), and always when the world layout differs or nothing is left to train."""
+    output_dir, step = path.parent.parent, _step(path)
+    again = "use a new output_dir, or --set resume=force to continue it anyway"
+    try:
+        saved = json.loads((path / FINGERPRINT).read_text())
+    except FileNotFoundError:
+        if not force:
+            raise ResumeMismatch(f"{output_dir}: the checkpoint at step {step} records no fingerprint of the run "
+                                 f"that wrote it (written before distlab checked one); {again}") from None
+        saved = None
+    differ = ["fingerprint"] if saved is None else sorted(
+        k for k in current.keys() | saved.keys() if saved.get(k, _DEFAULTS.get(k)) != current.get(k))
+    if differ and not force:
+        changes = ", ".join(f"{k} {_show(saved.get(k, _DEFAULTS.get(k)))} -> {_show(current.get(k))}" for k in differ)
+        raise ResumeMismatch(f"{output_dir}: the checkpoint at step {step} was written by another run: {changes}; "
+                             f"{again}")
+    layout = [k for k in LAYOUT if saved is not None and k in differ]
+    if layout:
+        raise ResumeMismatch(f"{output_dir}: the checkpoint at step {step} was written with "
+                             + ", ".join(f"{k} {saved.get(k)}" for k in layout)
+                             + f", this run has {', '.join(f'{k} {current.get(k)}' for k in layout)}: its saved "
+                             f"state and batch position are cut for that layout, even with resume=force; "
+                             f"use a new output_dir")
+    if step >= max_steps:
+        raise ResumeMismatch(f"{output_dir}: the checkpoint is at step {step} and max_steps is {max_steps}: "
+                             f"nothing left to train; use a new output_dir, or a max_steps above {step}")
+    return differ
+
+
+def _show(value: Any) -> str:
+    return "(none)" if value is None else str(value)
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -51,7 +153,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(output_dir: str | Path, step: int, strategy, model, optimizer, scheduler, batches,
-         log_path: Path | None, keep: int) -> Path:
+         log_path: Path | None, keep: int, run_fingerprint: dict[str, Any]) -> Path:
     """Every rank calls this; the strategy decides who writes the weights and optimizer."""
     root = checkpoint_dir(output_dir)
     final = root / f"step-{step:08d}"
@@ -66,6 +168,7 @@ def save(output_dir: str | Path, step: int, strategy, model, optimizer, schedule
     if strategy.is_main:
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "batches": batches.state_dict(),
                     "world_size": strategy.world_size}, tmp / "trainer.pt")
+        (tmp / FINGERPRINT).write_text(json.dumps(run_fingerprint, indent=1, sort_keys=True) + "\n")
         if log_path is not None and log_path.exists():
             shutil.copy2(log_path, tmp / "train_log.jsonl")
     strategy.barrier()
@@ -83,8 +186,8 @@ def load(path: Path, strategy, model, optimizer, scheduler, batches) -> tuple[in
     """Restore everything `save` wrote; returns (step, the checkpoint's copy of the step log)."""
     meta = torch.load(path / "trainer.pt", weights_only=False)
     if meta["world_size"] != strategy.world_size:
-        raise RuntimeError(f"{path}: written with world size {meta['world_size']}, resuming with "
-                           f"{strategy.world_size}; the batch position would not carry over")
+        raise ResumeMismatch(f"{path}: written with world size {meta['world_size']}, resuming with "
+                             f"{strategy.world_size}; the batch position would not carry over")
     strategy.load_training_state(model, optimizer, path)
     scheduler.load_state_dict(meta["scheduler"])
     batches.load_state_dict(meta["batches"])

@@ -92,7 +92,10 @@ class TrainConfig:
     # fault tolerance
     checkpoint_steps: int = 0  # 0: no periodic checkpoints
     keep_checkpoints: int = 2
-    resume: bool = True  # continue from the newest complete checkpoint in output_dir, if any
+    # true: continue from the newest complete checkpoint in output_dir, if any, when the run that wrote it had
+    # this run's settings (distlab.checkpoint.fingerprint; else the run stops, naming the fields that differ);
+    # "force": continue it even so (run_metadata.json lists the fields); false: start over
+    resume: bool | str = True
     # outputs
     output_dir: str = str(RUNS_DIR / "default")
     logging_steps: int = 5
@@ -195,7 +198,14 @@ def _to_list(item):
     return convert
 
 
-_CONVERT = {"int": _to_int, "float": _to_float, "bool": _to_bool, "str": _to_str,
+def _to_resume(v: Any) -> bool | str:
+    if isinstance(v, str) and v.strip().lower() == "force":
+        return "force"
+    return _to_bool(v)
+
+
+_CONVERT = {"bool | str": _to_resume,  # resume: true, false or "force"
+            "int": _to_int, "float": _to_float, "bool": _to_bool, "str": _to_str,
             "list[str]": _to_list(_to_str), "list[int]": _to_list(_to_int),
             "list[float]": _to_list(_to_float)}
 
@@ -254,6 +264,7 @@ RULES = {
     "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe"),
     "stage_layers": (lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of layer counts >= 1"),
     "checkpoint_steps": _at_least(0), "keep_checkpoints": _at_least(1),
+    "resume": (lambda v: True, "true, false or force"),
     "output_dir": (lambda v: v.strip() != "", "a folder path"), "logging_steps": _at_least(1),
 }
 

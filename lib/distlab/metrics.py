@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,23 @@ class StepLog:
         record = {"event": event, "time": round(time.time(), 3), "rank": self.rank, **fields}
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
+
+
+def strict_json(obj: Any, **kwargs: Any) -> str:
+    """JSON text that every parser reads. Python's json writes NaN and Infinity bare, which JSON does not
+    have (a strict reader, jq, a browser reject the whole file); here they become null, and anything else
+    json cannot write becomes its str()."""
+    return json.dumps(_finite(obj), allow_nan=False, default=str, **kwargs)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def read_log(path: str | Path, event: str | None = "step") -> list[dict[str, Any]]:

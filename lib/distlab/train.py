@@ -11,7 +11,6 @@ is what lets later chapters assert that 1 and 2 ranks produce the same loss curv
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
 from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
 from distlab.measure.meter import Meter
-from distlab.metrics import StepLog, train_flops_per_token
+from distlab.metrics import StepLog, strict_json, train_flops_per_token
 from distlab.models import count_parameters
 from distlab.prepare import prepare_run
 from distlab.results.recorder import emit_rank_result
@@ -63,28 +62,36 @@ def train(cfg: TrainConfig, strategy: Strategy | None = None, keep_group: bool =
         strategy.teardown(keep_group)
 
 
-def _resume(cfg, strategy, model, optimizer, scheduler, batches, log: StepLog) -> int:
-    """Load the newest complete checkpoint, if resuming is on and there is one; return its step."""
-    path = checkpoint.latest(cfg.output_dir) if cfg.resume else None
+def _resume(path: Path | None, strategy, model, optimizer, scheduler, batches, log: StepLog,
+            differ: list[str]) -> int:
+    """Load checkpoint `path` (the newest complete one, already checked against this run), if any; its step."""
     if path is None:
         return 0
     step, saved_log = checkpoint.load(path, strategy, model, optimizer, scheduler, batches)
     # The log continues from the checkpoint: records of steps after it (written before the crash)
     # are dropped, so every step appears once, as the resumed run computed it.
     log.restore(saved_log)
-    log.write("resume", step=step, checkpoint=str(path))
+    log.write("resume", step=step, checkpoint=str(path), **({"different_settings": differ} if differ else {}))
     if strategy.is_main:
-        print(f"[distlab] resumed from {path} (step {step})", flush=True)
+        forced = f", with other settings (resume=force): {', '.join(differ)}" if differ else ""
+        print(f"[distlab] resumed from {path} (step {step}){forced}", flush=True)
     return step
 
 
 def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     out = Path(cfg.output_dir)
+    accum = cfg.micro_steps(strategy.data_parallel_size)
+    # Which run a checkpoint belongs to is settled before anything is built or written: a refused resume
+    # leaves the folder (its log included) as the other run left it. Strategies without stages have one.
+    run_fingerprint = checkpoint.fingerprint(cfg, strategy.world_size, strategy.data_parallel_size,
+                                             getattr(strategy, "num_stages", 1), accum)
+    resume_from = checkpoint.latest(out) if cfg.resume else None
+    differ = (checkpoint.check_resume(resume_from, run_fingerprint, cfg.max_steps, force=cfg.resume == "force")
+              if resume_from is not None else [])
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
     n_total, n_trainable = count_parameters(model)
     model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
     faults.install_slowdown(strategy.unwrap(model))  # chapter 05's emulated slow device; off by default
-    accum = cfg.micro_steps(strategy.data_parallel_size)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)
     if strategy.is_main:
@@ -106,8 +113,11 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
         "threads": torch.get_num_threads(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "versions": provenance.package_versions(), "commit": provenance.git_commit(),
+        "fingerprint": run_fingerprint,
     }
-    first_step = _resume(cfg, strategy, model, optimizer, scheduler, batches, log) + 1
+    if differ:  # resume=force over a checkpoint of other settings: the result says so
+        run_info["resumed_with_different_settings"] = differ
+    first_step = _resume(resume_from, strategy, model, optimizer, scheduler, batches, log, differ) + 1
     if first_step == 1:
         log.write("start", **run_info)
     if strategy.is_main:
@@ -154,7 +164,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             window.clear()
         if cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 and step < cfg.max_steps:
-            checkpoint.save(out, step, strategy, model, optimizer, scheduler, batches, log.path, cfg.keep_checkpoints)
+            checkpoint.save(out, step, strategy, model, optimizer, scheduler, batches, log.path, cfg.keep_checkpoints,
+                            run_fingerprint)
     bar.close()
 
     eval_after = strategy.evaluate(model, eval_data, choice) if (eval_data and cfg.eval_at_end) else None
@@ -167,8 +178,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     log.write("end", **summary)
     if strategy.is_main:
         stamp = provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)
-        (out / "run_metadata.json").write_text(json.dumps({**run_info, **summary, "provenance": stamp},
-                                                          indent=2, default=str))
+        (out / "run_metadata.json").write_text(strict_json({**run_info, **summary, "provenance": stamp}, indent=2))
     # launched ranks print their result JSON between log markers (what survives a pod is its log)
     emit_rank_result(cfg, strategy, log.path, summary, measured_state=strategy.meter.measured_state)
     return TrainResult(out, log.path, eval_before, eval_after, loss, cfg.max_steps, first_step - 1, summary)
@@ -176,7 +186,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
 
 def variant_configs(config: str | Path, overrides: dict[str, Any], variants: list[str]) -> list[TrainConfig]:
     """The base config plus `--set` overrides, then each `--variant` mapping on top of it. Every
-    variant must name its own output_dir: runs of a sweep never share a folder."""
+    variant must name its own output_dir: runs of a sweep never share a folder, however the paths are
+    spelled (compared resolved: build/runs/x and ./build/../build/runs/x are one folder)."""
     if not variants:
         return [load_config(config, overrides)]
     cfgs, seen = [], {}
@@ -188,10 +199,13 @@ def variant_configs(config: str | Path, overrides: dict[str, Any], variants: lis
         if not isinstance(extra, dict) or "output_dir" not in extra:
             raise ValueError(f"--variant {i} ({text!r}) must be a mapping that sets output_dir")
         cfg = load_config(config, {**overrides, **extra})
-        if str(cfg.output_dir) in seen:
-            raise ValueError(f"--variant {i} and --variant {seen[str(cfg.output_dir)]} share output_dir "
-                             f"{cfg.output_dir}")
-        seen[str(cfg.output_dir)] = i
+        folder = Path(cfg.output_dir).expanduser().resolve()
+        if folder in seen:
+            j, spelled = seen[folder]
+            same = "" if spelled == cfg.output_dir else f" (spelled {spelled} and {cfg.output_dir})"
+            raise ValueError(f"--variant {i} and --variant {j} share output_dir {folder}{same}: the second run "
+                             f"would overwrite the first")
+        seen[folder] = (i, cfg.output_dir)
         cfgs.append(cfg)
     return cfgs
 
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, cfg in enumerate(cfgs):
         result = train(cfg, keep_group=i < len(cfgs) - 1)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps({"output_dir": str(result.output_dir), **result.summary}, default=str), flush=True)
+            print(strict_json({"output_dir": str(result.output_dir), **result.summary}), flush=True)
     return 0
 
 
