@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
+from distlab import yaml_input
 
 NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
 DEFAULT_PROFILE = "cpu"
@@ -49,7 +49,7 @@ def load_profiles(path: str | Path | None) -> dict[str, dict[str, dict[str, Any]
 
     if path is None or not Path(path).exists():
         return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = yaml_input.load_file(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of profile names")
     for name, body in data.items():

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import yaml
-
+from distlab import yaml_input
 from distlab.launch.kubernetes.manifests import DNS_1035_RE, DNS_LABEL_RE, LABEL_RUN
 
 VERSIONS = ("1.30", "1.34")
@@ -87,8 +86,8 @@ def yaml_files(paths: Iterable[str | Path]) -> list[Path]:
 
 def load_docs(path: Path) -> tuple[list[Doc], list[Problem]]:
     try:
-        bodies = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
-    except yaml.YAMLError as e:
+        bodies = yaml_input.load_file(path, all_documents=True)
+    except yaml_input.YamlInputError as e:
         return [], [Problem("schema", str(path), f"not valid YAML: {e}")]
     docs, problems = [], []
     for i, body in enumerate(b for b in bodies if b is not None):
