@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from distlab.chapters.ch04 import bubble_sweep, over_rounds
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.models import balanced_bench_model
 
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default="balanced", help="balanced | tiny | an HF id or folder")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="|measured - theory| allowed for m >= 2")
+    parser.add_argument("--tolerance", type=finite_float, default=0.05, help="|measured - theory| allowed for m >= 2")
     parser.add_argument("--timeout-s", type=int, default=1800, help="per launch (one round)")
     parser.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError, finite_float, run_main
 from distlab.metrics import read_log
 from distlab.results import schema
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, help="log fields every N steps (default: the run's logging_steps)")
     parser.add_argument("--monitor", help="utilisation CSV for every run (default: RUN/monitor.csv)")
     parser.add_argument("--answers", help="python -m distlab.infer's --out folder (before/after answers)")
-    parser.add_argument("--min-changed", type=float, default=1.0,
+    parser.add_argument("--min-changed", type=finite_float, default=1.0,
                         help="share of answers that must differ before/after (default 1: all)")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="skip a check (repeatable)")
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from distlab import keyfacts
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError, finite_float, run_main
 from distlab.config import check_field
 from distlab.data import load_prompts
 from distlab.generate import GENERATION_DEFAULTS, generate, side_by_side
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="base model: folder, hub id or preset (default: the adapter's base)")
     parser.add_argument("--out", default=str(BUILD_DIR / "infer"), help="folder for the replay files and table")
     parser.add_argument("--max-new-tokens", type=int, default=SEED_GENERATION["max_new_tokens"])
-    parser.add_argument("--temperature", type=float, default=SEED_GENERATION["temperature"])
-    parser.add_argument("--top-p", type=float, default=SEED_GENERATION["top_p"])
+    parser.add_argument("--temperature", type=finite_float, default=SEED_GENERATION["temperature"])
+    parser.add_argument("--top-p", type=finite_float, default=SEED_GENERATION["top_p"])
     parser.add_argument("--seed", type=int, default=SEED_GENERATION["seed"])
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (ignores temperature and top-p)")
     args = parser.parse_args(argv)

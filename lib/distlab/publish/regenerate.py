@@ -45,7 +45,7 @@ import nbformat
 import yaml
 
 from distlab import paths
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.launch import process
 from distlab.provenance import git_commit
 from distlab.publish.freshness import ChapterCache, chapter_inputs
@@ -494,7 +494,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="profiles file (default NOTEBOOKS_DIR/profiles.yaml)")
     ap.add_argument("--figures-dir", type=Path, default=None,
                     help="where the notebooks write figures/tables (exported as DISTLAB_FIGURES)")
-    ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+    ap.add_argument("--timeout-s", type=finite_float, default=DEFAULT_TIMEOUT_S,
                     help=f"per-notebook time limit in seconds (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--kernel", default=DEFAULT_KERNEL,
                     help="Jupyter kernel name (default python3, this virtual environment's)")
