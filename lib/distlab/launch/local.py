@@ -22,7 +22,6 @@ from distlab.config import PIPELINE_STRATEGIES
 from distlab.launch.process import RunResult, run
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import write_scripts
-from distlab.measure.envcheck import usable_cores
 from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
 
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
@@ -36,12 +35,13 @@ CPU_RANKS_PER_CORE = 4
 
 def max_local_ranks(device: str = "auto") -> tuple[int, str]:
     """How many ranks one local launch can hold for a config's `device`, and the reason (for the message)."""
-    if device != "cpu":
-        import torch  # deferred: writing and running scripts needs no torch; only this question does
+    import torch  # deferred: writing and running scripts needs no torch; only this question does
 
-        if torch.cuda.is_available():  # NCCL refuses two ranks on one GPU
-            n = torch.cuda.device_count()
-            return n, f"{n} GPU(s), one rank each"
+    from distlab.measure.envcheck import usable_cores  # deferred: it loads torch too
+
+    if device != "cpu" and torch.cuda.is_available():  # NCCL refuses two ranks on one GPU
+        n = torch.cuda.device_count()
+        return n, f"{n} GPU(s), one rank each"
     cores = usable_cores()
     return cores * CPU_RANKS_PER_CORE, f"{cores} usable CPU core(s) x {CPU_RANKS_PER_CORE} ranks per core"
 
