@@ -9,6 +9,7 @@ Read it bottom up, layer by layer: a module imports only from its own layer and 
   paths        where data, figures and build outputs live
   provenance   device, model, world size, commit, date and inputs digest stamped on every figure and table
   cli          how every command ends on bad input: one line, exit 2
+  markdown     Markdown table cells from outside values, escaped (|, newlines, HTML)
   yaml_input   bounded YAML: alias expansion, nesting depth and binary files refused before any check
   data         the JSONL data contract: load, validate, chat template, label mask, packing             ch. 01
   batching     which rows each rank takes at each step (StepBatches), uneven shares (rows_per_rank)    ch. 01, 05

@@ -39,6 +39,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from distlab import markdown
 from distlab.chapters.ch04 import bubble_sweep, over_rounds
 from distlab.cli import finite_float, run_main
 from distlab.models import balanced_bench_model
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     cols = ["m", "schedule", "schedule_run", "rounds", "measured", "measured_min", "measured_max", "theory",
             "model_handoff", "model_costs", "compute_ms", "handoff_ms", "handoff_share", "imbalance"] + \
         [c for c in df.columns if c.startswith("idle_stage")]
-    print(df[cols].round(3).to_markdown(index=False))
+    print(markdown.table(df[cols].round(3), floatfmt="g"))
     checked = df[df["m"] >= 2]
     if not len(checked):
         print("no m >= 2 to check")

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from distlab import keyfacts
+from distlab import keyfacts, markdown
 from distlab.cli import UsageError, finite_float, run_main
 from distlab.config import check_field
 from distlab.data import load_prompts
@@ -73,14 +73,10 @@ def prompt_rows(path: Path, prompts) -> list[dict]:
     return [{**json.loads(lines[c.line - 1]), "id": c.id or f"prompt-{i}"} for i, c in enumerate(prompts)]
 
 
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
 def _markdown(table, summary: dict) -> str:
     lines = ["| id | prompt | before | after |", "|---|---|---|---|"]
-    lines += [f"| {_cell(r.id)} | {_cell(r.prompt)} | {_cell(r.before)} | {_cell(r.after)} |"
-              for r in table.itertuples()]
+    cell = markdown.cell  # prompts and answers are the model's text: escaped
+    lines += [f"| {cell(r.id)} | {cell(r.prompt)} | {cell(r.before)} | {cell(r.after)} |" for r in table.itertuples()]
     lines += ["", f"{summary['changed']} of {summary['answers']} answers changed."]
     if summary["before"]["accuracy"] is not None:
         lines.append(f"Key-fact accuracy: before {summary['before']['accuracy']:.1%}, after "
