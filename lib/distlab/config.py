@@ -235,6 +235,12 @@ def _known_model(v: str) -> bool:
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
+
+def is_hub_id(model: str | None) -> bool:
+    """Whether a model name means the Hugging Face hub: of the form owner/name and not an existing folder
+    (presets have no '/'). Only such a name may make from_pretrained reach the network."""
+    return bool(model) and not Path(model).expanduser().exists() and _HUB_ID.fullmatch(model) is not None
+
 # field -> (test, what is accepted); a field not listed is only converted to its type
 RULES = {
     "model": (_known_model, "an existing model folder, a hub id owner/name, or a preset name"),
