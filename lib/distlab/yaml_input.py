@@ -72,18 +72,21 @@ def _check_expansion(root: yaml.Node) -> None:
 
     Each distinct node's expanded size is computed once (memo), so a bomb is judged in time proportional
     to its text, not to its expansion. The walk is bounded by MAX_DEPTH, hence safe to recurse."""
-    sizes: dict[int, int] = {}
+    seen: dict[int, tuple[int, int]] = {}  # node -> (expanded size, expanded height)
     open_nodes: set[int] = set()
+    too_deep = f"nested more than {MAX_DEPTH} levels deep once aliases are expanded"
 
-    def size(node: yaml.Node, depth: int) -> int:
+    def size(node: yaml.Node, depth: int) -> tuple[int, int]:
         key = id(node)
-        if key in sizes:
-            return sizes[key]
+        if key in seen:  # an alias (or a shared node) met again: as big and as deep as the first time
+            total, height = seen[key]
+            if depth + height - 1 > MAX_DEPTH:
+                raise _Refused(problem=too_deep, problem_mark=node.start_mark)
+            return total, height
         if key in open_nodes:
             raise _Refused(problem="a recursive alias (a node that contains itself)", problem_mark=node.start_mark)
         if depth > MAX_DEPTH:
-            raise _Refused(problem=f"nested more than {MAX_DEPTH} levels deep once aliases are expanded",
-                           problem_mark=node.start_mark)
+            raise _Refused(problem=too_deep, problem_mark=node.start_mark)
         open_nodes.add(key)
         if isinstance(node, yaml.MappingNode):
             children = [n for pair in node.value for n in pair]
@@ -91,15 +94,16 @@ def _check_expansion(root: yaml.Node) -> None:
             children = node.value
         else:
             children = []
-        total = 1
+        total, height = 1, 1
         for child in children:
-            total += size(child, depth + 1)
+            child_total, child_height = size(child, depth + 1)
+            total, height = total + child_total, max(height, child_height + 1)
             if total > MAX_NODES:
                 raise _Refused(problem=f"more than {MAX_NODES} values once aliases are expanded "
                                        "(an alias bomb?)", problem_mark=node.start_mark)
         open_nodes.discard(key)
-        sizes[key] = total
-        return total
+        seen[key] = total, height
+        return total, height
 
     size(root, 1)
 
