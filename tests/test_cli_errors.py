@@ -78,7 +78,7 @@ CASES = [
     ("distlab.train", ["--config", "{d}/bomb.yaml"], "bomb.yaml:6: more than 100000 values once aliases"),
     ("distlab.train", ["--config", "{d}/deep.yaml"], "deep.yaml:1: nested more than 64 levels deep"),
     ("distlab.train", ["--config", "{d}/binary.yaml"], "binary.yaml:2: a binary file (NUL byte)"),
-    ("distlab.train", ["--config", TINY, "--set", "lr=nan"], "lr=nan is not accepted: expected a number > 0"),
+    ("distlab.train", ["--config", TINY, "--set", "lr=nan"], "lr='nan' is not accepted: expected a number > 0"),
     ("distlab.train", ["--config", TINY, "--set", "strategy=ddp", "--set", "output_dir={d}/ddp"],
      "strategy 'ddp' needs a launcher: run it under torchrun"),
     ("distlab.publish.regenerate", ["--profile", "nosuch"], "unknown profile 'nosuch'"),
