@@ -268,3 +268,16 @@ def test_sigint_ends_a_command_in_one_line_exit_130_and_kills_its_children(tmp_p
     assert lines == ["python -m distlab.monitor: interrupted"], err
     time.sleep(0.5)
     assert not [p for p in sleeps if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_cuda_device_without_cuda_is_a_config_error_not_an_assertion():
+    import torch
+
+    from distlab.device import DeviceError, choose_device
+
+    if torch.cuda.is_available():
+        with pytest.raises(DeviceError, match="this machine has"):
+            choose_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(DeviceError, match="device=cuda: no CUDA"):
+            choose_device("cuda")
