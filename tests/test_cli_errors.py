@@ -26,7 +26,21 @@ def _files(root):
     (root / "no_markers.log").write_text("hello\nworld\n")
     (root / "truncated.log").write_text("=== DISTLAB_RESULT_START rank=0 ===\n{\"rank\": 0\n")
     (root / "answers").mkdir()
+    (root / "bomb.yaml").write_text(alias_bomb())
+    (root / "deep.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    (root / "binary.yaml").write_bytes(b"max_steps: 3\n\x00\x01\xff")
+    (root / "bad_facts.jsonl").write_text(json.dumps({"id": "p1", "prompt": "Hi", "facts": "Okta"}) + "\n")
+    (root / "hub_adapter").mkdir()
+    (root / "hub_adapter" / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": "nobody-distlab/never-cached"}))
     return root
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """The billion laughs: 9 levels of 9 aliases each, 9**9 strings once expanded, 600 bytes of YAML."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
 
 
 # (command, args, text the one line must contain); {d} is a folder of bad inputs
@@ -60,6 +74,25 @@ CASES = [
     ("distlab.monitor", [], "no command to monitor"),
     ("distlab.monitor", ["--", "/no/such/program"], "No such file or directory"),
     ("distlab.monitor", ["--interval-s", "0", "--", "true"], "must be > 0"),
+    # issue 21: bounded YAML, NaN, user errors that were tracebacks, silent wrong results
+    ("distlab.train", ["--config", "{d}/bomb.yaml"], "bomb.yaml:6: more than 100000 values once aliases"),
+    ("distlab.train", ["--config", "{d}/deep.yaml"], "deep.yaml:1: nested more than 64 levels deep"),
+    ("distlab.train", ["--config", "{d}/binary.yaml"], "binary.yaml:2: a binary file (NUL byte)"),
+    ("distlab.train", ["--config", TINY, "--set", "lr=nan"], "lr='nan' is not accepted: expected a number > 0"),
+    ("distlab.train", ["--config", TINY, "--set", "strategy=ddp", "--set", "output_dir={d}/ddp"],
+     "strategy 'ddp' needs a launcher: run it under torchrun"),
+    ("distlab.publish.regenerate", ["--profile", "nosuch"], "unknown profile 'nosuch'"),
+    ("distlab.monitor", ["--interval-s", "nan", "--", "true"], "--interval-s: 'nan' is not a finite number"),
+    ("distlab.monitor", ["--timeout-s", "inf", "--", "true"], "--timeout-s: 'inf' is not a finite number"),
+    ("distlab.accept", ["{d}/empty_run", "--min-changed", "nan"], "--min-changed: 'nan' is not a finite"),
+    ("distlab.infer", ["--prompts", "{d}/prompts.jsonl", "--temperature", "nan"], "'nan' is not a finite number"),
+    ("distlab.infer", ["--prompts", "{d}/bad_facts.jsonl", "--out", "{d}/infer_out"],
+     "bad_facts.jsonl:1: field 'facts'"),
+    ("distlab.infer", ["--prompts", "{d}/prompts.jsonl", "--adapter", "{d}/hub_adapter"],
+     "is a hub model that is not in the local cache"),
+    ("distlab.matrix", ["--world-sizes", "1000", "--runs-dir", "{d}/matrix"], "a local launch holds at most"),
+    ("distlab.publish.freshness", ["check", "--figures-dir", "{d}/answers", "--notebooks-dir", "{d}/empty_run"],
+     "no NN_*.ipynb notebooks"),
     ("distlab.launch", ["frobnicate"], "(see python -m"),
     ("distlab.launch.kubernetes.command", ["--no-such-flag"], "(see python -m"),
     ("distlab.bench.trainer_vs_hf", ["--no-such-flag"], "(see python -m"),
@@ -128,6 +161,10 @@ CONFIG_CASES = [
     ("device=gpu", "expected auto, cpu, cuda or cuda:N"),
     ("packing=maybe", "expected true or false"),
     ("lr=nan", "expected a number > 0"),
+    ("weight_decay=inf", "weight_decay='inf' is not accepted"),
+    ("max_grad_norm=-.inf", "max_grad_norm=-inf is not accepted"),
+    ("lora_dropout=.nan", "lora_dropout=nan is not accepted"),
+    ("rank_shares=[1, .nan]", "rank_shares=[1, nan] is not accepted"),
     ("stage_layers=[2, 0]", "layer counts >= 1"),
     ("max_steps=2.5", "expected an integer >= 1"),
 ]

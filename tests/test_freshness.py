@@ -100,3 +100,20 @@ def test_the_cache_reuses_a_clean_execution_with_current_prose_and_restores_outp
     monkeypatch.setattr(freshness, "git_commit", lambda: "abc1234+dirty")
     cache.store(nb.stem, "d1", "cpu", nb, figures, before)
     assert cache.lookup(nb.stem, "d1") is None  # a dirty tree's outputs are never reused
+
+
+def test_check_on_folders_with_nothing_to_compare_is_an_error_not_a_pass(tmp_path):
+    _, notebooks, figures = _chapter(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(freshness.NothingToCheck, match="no outputs"):
+        freshness.stale_outputs(empty, notebooks)
+    with pytest.raises(freshness.NothingToCheck, match="no NN_\\*.ipynb notebooks"):
+        freshness.stale_outputs(figures, empty)
+
+
+def test_a_binary_sidecar_is_a_problem_naming_it(tmp_path):
+    _, notebooks, figures = _chapter(tmp_path)
+    (figures / "01_x.csv.provenance.json").write_bytes(b"\x00\xff\xfe binary")
+    (problem,) = freshness.stale_outputs(figures, notebooks)
+    assert problem.output == "01_x.csv" and "01_x.csv.provenance.json is not JSON text" in problem.problem

@@ -93,7 +93,7 @@ def test_profiles_merge_star_number_and_stem(tmp_path):
         "device": "cuda", "max_steps": 7, "nproc": 4}
     assert regenerate.parameters_for(profiles, "gpu", "01_x.ipynb") == {"device": "cuda", "max_steps": 100}
     assert regenerate.parameters_for(profiles, "cpu", "01_x.ipynb") == {}
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="unknown profile .tpu."):
         regenerate.parameters_for(profiles, "tpu", "01_x.ipynb")
 
 

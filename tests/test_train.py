@@ -129,6 +129,6 @@ def test_variants_need_their_own_output_dirs(tmp_path):
         variant_configs(config, {}, ["{max_steps: 5}"])
     with pytest.raises(ValueError, match="--variant 2 and --variant 1 share output_dir"):
         variant_configs(config, {}, [f"{{output_dir: {tmp_path}/a}}", f"{{output_dir: {tmp_path}/a}}"])
-    with pytest.raises(ValueError, match="is not YAML"):
+    with pytest.raises(ValueError, match=r"--variant 1:\d+: invalid YAML"):
         variant_configs(config, {}, ["{output_dir: [unclosed"])
     assert len(variant_configs(config, {}, [])) == 1

@@ -4,11 +4,13 @@ Read it bottom up, layer by layer: a module imports only from its own layer and 
 (tests/test_structure.py checks it). The chapter that introduces a module is on its right.
 
 1. The core: what a training run is made of (torch-free where it can be: config, paths, provenance,
-   layer_split and cli load no torch)
+   layer_split, cli and yaml_input load no torch)
   config       TrainConfig: the run spec every strategy and notebook reads, from YAML; the strategy names ch. 01
   paths        where data, figures and build outputs live
   provenance   device, model, world size, commit, date and inputs digest stamped on every figure and table
   cli          how every command ends on bad input: one line, exit 2
+  markdown     Markdown table cells from outside values, escaped (|, newlines, HTML)
+  yaml_input   bounded YAML: alias expansion, nesting depth and binary files refused before any check
   data         the JSONL data contract: load, validate, chat template, label mask, packing             ch. 01
   batching     which rows each rank takes at each step (StepBatches), uneven shares (rows_per_rank)    ch. 01, 05
   models       the offline default model (tiny Qwen2), any HF id or folder, the loss module            ch. 01

@@ -7,6 +7,8 @@ User-facing errors are the library's ValueError family (ConfigError, DataError, 
 ResultLogError, KubeJobError, NetworkPresetError, ...: each message already names the file, line or field)
 and OSError (a missing or unreadable input). argparse's own errors become the same one line. A launched job
 that failed (distlab.launch.process.RunFailed) is one line too, with exit status 1: the input was fine, the run was not.
+Ctrl-C (KeyboardInterrupt) is `<prog>: interrupted`, exit status 130, after the runner has killed the jobs it
+launched. Every float a command accepts goes through `finite_float` (NaN and infinities refused).
 Anything else is a bug and keeps its traceback. `--debug` (before any `--`) or DISTLAB_DEBUG=1 shows the
 traceback of every error.
 """
@@ -14,16 +16,34 @@ traceback of every error.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
 from typing import Callable, NoReturn, Sequence
 
-USAGE_EXIT, FAILED_EXIT = 2, 1
+USAGE_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130  # 130 = 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class UsageError(ValueError):
     """Bad arguments, found by argparse or by a command's own checks."""
+
+
+class NotFiniteError(UsageError, argparse.ArgumentTypeError):
+    """A number option given NaN, an infinity or no number. Both kinds: argparse shows its message as it is
+    (ArgumentTypeError) and a command parsing a list by hand catches it as the ValueError it is."""
+
+
+def finite_float(text: str) -> float:
+    """The argparse type of every float option: float() accepts "nan" and "inf", which compare False with every
+    bound (so `interval <= 0` lets NaN through) and turn a limit into none; refused here, once."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise NotFiniteError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise NotFiniteError(f"{text!r} is not a finite number")
+    return value
 
 
 def _argparse_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -61,6 +81,13 @@ def run_main(main: Callable[..., int | None], argv: Sequence[str] | None = None,
         argparse.ArgumentParser.error = _argparse_error  # one line instead of usage + error
     try:
         code = main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a bug: no traceback. Jobs launched through distlab.launch.process
+        # were already killed as groups while the exception passed through the runner.
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT)
     except (ValueError, OSError) as e:
         if debug:
             raise

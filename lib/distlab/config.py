@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from distlab import yaml_input
 from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
 
 # The one list of strategies (distlab.strategies maps each name to its class; the launcher and the
@@ -244,6 +245,12 @@ def _known_model(v: str) -> bool:
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
 
+
+def is_hub_id(model: str | None) -> bool:
+    """Whether a model name means the Hugging Face hub: of the form owner/name and not an existing folder
+    (presets have no '/'). Only such a name may make from_pretrained reach the network."""
+    return bool(model) and not Path(model).expanduser().exists() and _HUB_ID.fullmatch(model) is not None
+
 # field -> (test, what is accepted); a field not listed is only converted to its type
 RULES = {
     "model": (_known_model, "an existing model folder, a hub id owner/name, or a preset name"),
@@ -315,8 +322,8 @@ def from_dict(values: dict[str, Any], source: str = "config", sources: dict[str,
 def _key_lines(text: str) -> dict[str, int]:
     """field -> line (1-based) in a YAML mapping, for messages that point at the line."""
     try:
-        node = yaml.compose(text)
-    except yaml.YAMLError:
+        node = yaml_input.compose(text, "config")
+    except yaml_input.YamlInputError:
         return {}
     if not isinstance(node, yaml.MappingNode):
         return {}
@@ -327,15 +334,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
                 override_source: str = "--set") -> TrainConfig:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = yaml_input.read_text(path)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+    except yaml_input.YamlInputError as e:
+        raise ConfigError(str(e)) from None
     try:
-        values = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from e
+        values = yaml_input.load(text, str(path)) or {}
+    except yaml_input.YamlInputError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of field: value, got {type(values).__name__}")
     lines = _key_lines(text)
@@ -355,6 +362,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     if key not in FIELDS:
         raise ConfigError(f"--set {text!r}: unknown field {key!r}; known: {', '.join(FIELDS)}")
     try:
-        return key, yaml.safe_load(raw)
-    except yaml.YAMLError:
+        return key, yaml_input.load(raw, f"--set {key}")
+    except yaml_input.YamlRefusedError as e:  # a bomb or a nest: refused, not judged as a plain string
+        raise ConfigError(str(e)) from None
+    except yaml_input.YamlInputError:
         return key, raw  # a plain string the field's check will judge

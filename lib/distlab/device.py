@@ -71,6 +71,10 @@ def _cpu_flags() -> set[str]:
 DTYPE_ALIASES = ("auto", "auto-bf16")
 
 
+class DeviceError(ValueError):
+    """A device the config names that this machine does not have (one line, exit 2: the input is wrong here)."""
+
+
 def choose_device(device: str = "auto", dtype: str = "auto", local_rank: int = 0) -> DeviceChoice:
     """`auto`: CUDA/ROCm GPU when present (bf16 autocast, fp32 master weights), else CPU in fp32.
     `auto-bf16`: bf16 autocast wherever bf16 matmuls are native (native_bf16), else fp32.
@@ -81,6 +85,11 @@ def choose_device(device: str = "auto", dtype: str = "auto", local_rank: int = 0
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # else torch's AssertionError, deep in a .to()
+        raise DeviceError(f"device={device}: no CUDA (or ROCm) GPU is available to this torch "
+                          f"({torch.__version__}); use device=auto or device=cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceError(f"device={dev}: this machine has {torch.cuda.device_count()} GPU(s)")
     if dtype == "auto":
         dtype = "bf16-autocast" if dev.type == "cuda" else "fp32"
     elif dtype == "auto-bf16":

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from distlab import markdown
 from distlab.paths import REPO_ROOT
 
 # The packages whose versions a run records. Read from package metadata only: importing deepspeed
@@ -127,7 +128,7 @@ def save_table(df, path: str | Path, provenance: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".md":
-        path.write_text(df.to_markdown(index=False) + f"\n\n_Provenance: {stamp_text(provenance)}_\n")
+        path.write_text(markdown.table(df, floatfmt="g") + f"\n\n_Provenance: {stamp_text(provenance)}_\n")
     else:
         df.to_csv(path, index=False)
     write_sidecar(path, provenance)

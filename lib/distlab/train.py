@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm import tqdm
 
-from distlab import checkpoint, faults, provenance
+from distlab import checkpoint, faults, provenance, yaml_input
 from distlab.batching import StepBatches
 from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
@@ -192,10 +191,7 @@ def variant_configs(config: str | Path, overrides: dict[str, Any], variants: lis
         return [load_config(config, overrides)]
     cfgs, seen = [], {}
     for i, text in enumerate(variants, 1):
-        try:
-            extra = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"--variant {i} ({text!r}) is not YAML: {exc}") from None
+        extra = yaml_input.load(text, f"--variant {i}")  # YamlInputError: one line naming the variant
         if not isinstance(extra, dict) or "output_dir" not in extra:
             raise ValueError(f"--variant {i} ({text!r}) must be a mapping that sets output_dir")
         cfg = load_config(config, {**overrides, **extra})

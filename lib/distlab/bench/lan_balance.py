@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from distlab.batching import predicted_step_ratio, rows_per_rank
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.lan.cgroups import supported as cgroups_supported
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=BUILD_DIR / "lan" / "lan_balance.json")
     args = ap.parse_args(argv)
     try:
-        quotas = [float(q) for q in args.quotas.split(",")]
+        quotas = [finite_float(q) for q in args.quotas.split(",")]
     except ValueError:
         print(f"python -m distlab.bench.lan_balance: error: --quotas {args.quotas!r}: comma-separated numbers",
               file=sys.stderr)

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.lan import host_runs
 from distlab.lan.hosts import rate_bits
 from distlab.paths import BUILD_DIR
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         rates = [r for r in args.rates.split(",") if r]
         for r in rates:
             rate_bits(r)
-        sizes = [float(s) for s in args.sizes_kib.split(",") if s]
+        sizes = [finite_float(s) for s in args.sizes_kib.split(",") if s]
     except ValueError as e:
         print(f"python -m distlab.bench.lan_network: error: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.paths import BUILD_DIR, RUNS_DIR
@@ -180,10 +180,11 @@ def report(r: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m distlab.bench.lan_pipeline", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slow", type=float, default=0.5, help="host 1's speed as a fraction of a core (0 < s <= 1)")
+    ap.add_argument("--slow", type=finite_float, default=0.5,
+                    help="host 1's speed as a fraction of a core (0 < s <= 1)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=1, help="equal/measured pairs in the one launch")
-    ap.add_argument("--budget-mib", type=float, default=None, help="host 1's stage budget in planned MiB")
+    ap.add_argument("--budget-mib", type=finite_float, default=None, help="host 1's stage budget in planned MiB")
     ap.add_argument("--cpu-mode", choices=["sleep", "quota", "duty"], default="sleep")
     ap.add_argument("--out", type=Path, default=BUILD_DIR / "lan" / "lan_pipeline.json")
     args = ap.parse_args(argv)

@@ -39,8 +39,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from distlab import markdown
 from distlab.chapters.ch04 import bubble_sweep, over_rounds
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.models import balanced_bench_model
 
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--model", default="balanced", help="balanced | tiny | an HF id or folder")
-    parser.add_argument("--tolerance", type=float, default=0.05, help="|measured - theory| allowed for m >= 2")
+    parser.add_argument("--tolerance", type=finite_float, default=0.05, help="|measured - theory| allowed for m >= 2")
     parser.add_argument("--timeout-s", type=int, default=1800, help="per launch (one round)")
     parser.add_argument("--runs-dir", default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     cols = ["m", "schedule", "schedule_run", "rounds", "measured", "measured_min", "measured_max", "theory",
             "model_handoff", "model_costs", "compute_ms", "handoff_ms", "handoff_share", "imbalance"] + \
         [c for c in df.columns if c.startswith("idle_stage")]
-    print(df[cols].round(3).to_markdown(index=False))
+    print(markdown.table(df[cols].round(3), floatfmt="g"))
     checked = df[df["m"] >= 2]
     if not len(checked):
         print("no m >= 2 to check")

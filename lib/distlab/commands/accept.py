@@ -3,7 +3,8 @@
     python -m distlab.accept build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --answers build/infer
 
   log fields   rank 0's step log has world_size, step_time_s and tokens_per_s (finite, > 0) every N steps
-               (N: --every, else the run's own logging_steps) and at the last step
+               (N: --every, else the run's own logging_steps) and at the last step, and a finite loss at
+               every logged step and at the end (a NaN or infinite loss fails the run, naming the step)
   activity     non-zero device activity during training: the run's monitor.csv (distlab.commands.matrix writes it;
                or run the launch under `python -m distlab.monitor --out RUN -- ...`, or give --monitor CSV)
                shows utilisation > 0 on the GPUs, or on every training rank on CPU
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError, finite_float, run_main
 from distlab.metrics import read_log
 from distlab.results import schema
 
@@ -33,8 +34,12 @@ CHECKS = ("log fields", "activity", "answers", "throughput")
 SEED_FIELDS = ("world_size", "step_time_s", "tokens_per_s")
 
 
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return _finite(value) and value > 0
 
 
 def check_log_fields(run: Path, every: int | None) -> tuple[bool, str]:
@@ -57,9 +62,16 @@ def check_log_fields(run: Path, every: int | None) -> tuple[bool, str]:
         bad = [f for f in SEED_FIELDS if not _positive(rec.get(f))]
         if bad:
             problems.append(f"step {step}: {', '.join(f'{f}={rec.get(f)!r}' for f in bad)}")
+    # the loss at every logged step, not every N: a run that diverged between two samples still wrote NaN
+    diverged = [f"step {s['step']}: loss={s.get('loss')!r} is not finite" for s in steps if not _finite(s.get("loss"))]
+    end = read_log(log, event="end")
+    if end and "final_loss" in end[-1] and not _finite(end[-1]["final_loss"]):
+        diverged.append(f"end: final_loss={end[-1]['final_loss']!r} is not finite")
+    problems = diverged + problems  # the worst news first
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        return False, f"{log}: every {n} steps needs {', '.join(SEED_FIELDS)} > 0; " + "; ".join(problems[:3]) + more
+        return False, (f"{log}: every {n} steps needs {', '.join(SEED_FIELDS)} > 0, every step a finite loss; "
+                       + "; ".join(problems[:3]) + more)
     return True, f"{', '.join(SEED_FIELDS)} at every {n} steps up to step {last}"
 
 
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, help="log fields every N steps (default: the run's logging_steps)")
     parser.add_argument("--monitor", help="utilisation CSV for every run (default: RUN/monitor.csv)")
     parser.add_argument("--answers", help="python -m distlab.infer's --out folder (before/after answers)")
-    parser.add_argument("--min-changed", type=float, default=1.0,
+    parser.add_argument("--min-changed", type=finite_float, default=1.0,
                         help="share of answers that must differ before/after (default 1: all)")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="skip a check (repeatable)")
     args = parser.parse_args(argv)

@@ -8,18 +8,26 @@ seed 42 (re-seeded before every prompt), 220 new tokens; `--greedy` for exact de
 `--model`, else the one the adapter was trained on (its adapter_config.json). Writes <out>/before.jsonl and
 after.jsonl (replay files), before_after.md (prompt | before | after) and summary.json; when the prompt rows
 carry `facts`, the key-fact accuracy before and after (distlab.keyfacts) is printed and written too.
+
+The whole input (prompt rows, their facts, the adapter, the model name, the sampling settings) is checked
+before the model loads; the outputs are written into <out>.partial/ and moved into <out> only when all of
+them are, so a failed or interrupted run leaves no half-written folder. Nothing is downloaded unless
+`--model` names a hub model (owner/name): otherwise the hub is offline (HF_HUB_OFFLINE=1), and an adapter
+whose config names a hub model that is not in the local cache is refused, asking for --model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 from pathlib import Path
 
-from distlab import keyfacts
-from distlab.cli import UsageError, run_main
-from distlab.config import check_field
-from distlab.data import load_prompts
+from distlab import keyfacts, markdown
+from distlab.cli import UsageError, finite_float, run_main
+from distlab.config import check_field, is_hub_id
+from distlab.data import DataError, load_prompts
 from distlab.generate import GENERATION_DEFAULTS, generate, side_by_side
 from distlab.paths import BUILD_DIR
 
@@ -34,6 +42,12 @@ def adapter_base(adapter: Path) -> str | None:
     return json.loads(config.read_text()).get("base_model_name_or_path")
 
 
+def _in_hub_cache(model: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache  # deferred: only an adapter naming a hub base asks
+
+    return isinstance(try_to_load_from_cache(model, "config.json"), str)
+
+
 def load_base(model: str | None):
     from distlab.models import load_model, load_tokenizer  # deferred: torch and transformers load slowly
 
@@ -46,9 +60,20 @@ def with_adapter(model, adapter: Path):
     return PeftModel.from_pretrained(model, str(adapter))
 
 
-def run(prompts_file: Path, adapter: Path | None, model: str | None, out: Path, greedy: bool, **sampling) -> dict:
+def read_prompts(prompts_file: Path):
+    """The prompts and their rows, every row's `facts` checked (file:line named) before anything is generated."""
     prompts = load_prompts(prompts_file)
     rows = prompt_rows(prompts_file, prompts)
+    for conv, row in zip(prompts, rows):
+        try:
+            keyfacts.facts_of(row)
+        except ValueError as e:
+            raise DataError(prompts_file, conv.line, "facts", str(e)) from None
+    return prompts, rows
+
+
+def run(prompts_file: Path, adapter: Path | None, model: str | None, out: Path, greedy: bool, **sampling) -> dict:
+    prompts, rows = read_prompts(prompts_file)
     base, tokenizer = load_base(model)
     before = generate(base, tokenizer, prompts, greedy=greedy, out_path=out / "before.jsonl", label="before",
                       **sampling)
@@ -73,14 +98,10 @@ def prompt_rows(path: Path, prompts) -> list[dict]:
     return [{**json.loads(lines[c.line - 1]), "id": c.id or f"prompt-{i}"} for i, c in enumerate(prompts)]
 
 
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
 def _markdown(table, summary: dict) -> str:
     lines = ["| id | prompt | before | after |", "|---|---|---|---|"]
-    lines += [f"| {_cell(r.id)} | {_cell(r.prompt)} | {_cell(r.before)} | {_cell(r.after)} |"
-              for r in table.itertuples()]
+    cell = markdown.cell  # prompts and answers are the model's text: escaped
+    lines += [f"| {cell(r.id)} | {cell(r.prompt)} | {cell(r.before)} | {cell(r.after)} |" for r in table.itertuples()]
     lines += ["", f"{summary['changed']} of {summary['answers']} answers changed."]
     if summary["before"]["accuracy"] is not None:
         lines.append(f"Key-fact accuracy: before {summary['before']['accuracy']:.1%}, after "
@@ -95,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="base model: folder, hub id or preset (default: the adapter's base)")
     parser.add_argument("--out", default=str(BUILD_DIR / "infer"), help="folder for the replay files and table")
     parser.add_argument("--max-new-tokens", type=int, default=SEED_GENERATION["max_new_tokens"])
-    parser.add_argument("--temperature", type=float, default=SEED_GENERATION["temperature"])
-    parser.add_argument("--top-p", type=float, default=SEED_GENERATION["top_p"])
+    parser.add_argument("--temperature", type=finite_float, default=SEED_GENERATION["temperature"])
+    parser.add_argument("--top-p", type=finite_float, default=SEED_GENERATION["top_p"])
     parser.add_argument("--seed", type=int, default=SEED_GENERATION["seed"])
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (ignores temperature and top-p)")
     args = parser.parse_args(argv)
@@ -107,14 +128,33 @@ def main(argv: list[str] | None = None) -> int:
     if adapter is not None and adapter_base(adapter) is None:
         raise UsageError(f"--adapter {adapter}: " + ("no such folder" if not adapter.is_dir() else
                          "no adapter_config.json in this folder (expected a LoRA adapter, e.g. a run's model/)"))
+    if not is_hub_id(args.model):
+        # Set before transformers or huggingface_hub is imported (both read it once): a local folder, a preset
+        # or an adapter's base must not turn into a download the user never asked for.
+        os.environ["HF_HUB_OFFLINE"] = "1"
     model = args.model or (adapter_base(adapter) if adapter else None)
     model = check_field("model", model, "--model" if args.model else f"{adapter}/adapter_config.json")
+    if not args.model and is_hub_id(model) and not _in_hub_cache(model):
+        raise UsageError(f"{adapter}/adapter_config.json: its base {model!r} is a hub model that is not in the "
+                         f"local cache, and nothing is downloaded unless you name one: pass --model {model} "
+                         "(downloads it) or --model FOLDER (a local copy)")
     if args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature <= 0:
         raise UsageError("--max-new-tokens must be >= 1, --top-p in (0, 1], --temperature > 0")
+    read_prompts(prompts)  # the whole input is checked before the model loads (it is cheap: no tokenizer)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = run(prompts, adapter, model, out, args.greedy, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a previous run's leftovers
+    partial.mkdir(parents=True)
+    try:
+        summary = run(prompts, adapter, model, partial, args.greedy, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    except BaseException:  # Ctrl-C too: no half-written folder, whatever stopped the run
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    out.mkdir(parents=True, exist_ok=True)  # the user's folder: only our files are replaced in it
+    for done in partial.iterdir():
+        done.replace(out / done.name)
+    partial.rmdir()
     for label in ("before", "after"):
         score = summary.get(label)
         if score and score["accuracy"] is not None:

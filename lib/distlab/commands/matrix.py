@@ -5,8 +5,8 @@ the same generated torchrun scripts a cluster would run.
     python -m distlab.report build/runs/matrix/*_ws*      # metrics csv, plots, BENCHMARK_REPORT.md
     python -m distlab.scaling build/runs/matrix/ddp_ws*   # the scaling summary of one strategy
 
-Each cell is one launch (distlab.launch.local: build/launch/<run>.sh, own process group, hard timeout) into
-<runs-dir>/<strategy>_ws<k>/, with its step logs, console.log holding every rank's result markers, and
+Each cell is one launch (distlab.launch.local: <runs-dir>/launch/<run>.sh, own process group, hard timeout)
+into <runs-dir>/<strategy>_ws<k>/, with its step logs, console.log holding every rank's result markers, and
 monitor.csv/.png: the utilisation of the launch's processes (or GPUs) while it ran. Cells run one after
 another; a failed cell is reported at the end (exit 1) and the others still run.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from distlab.cli import UsageError, run_main
 from distlab.config import PIPELINE_STRATEGIES, STRATEGY_NAMES, load_config, parse_override
-from distlab.launch.local import TINY_CONFIG, launch_training
+from distlab.launch.local import TINY_CONFIG, launch_training, max_local_ranks
 from distlab.measure.utilisation import UtilizationSampler, plot_utilization
 from distlab.paths import RUNS_DIR
 from distlab.provenance import stamp
@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     todo = cells(_names(args.strategies, "strategies"), world_sizes)
     overrides = {**dict(parse_override(s) for s in args.set), "max_steps": args.steps, "progress": False}
     for strategy, _ in todo:  # every field checked before anything is launched
-        model = load_config(args.config, {**overrides, "strategy": strategy}).model or "distlab-tiny"
+        cfg = load_config(args.config, {**overrides, "strategy": strategy})
+        model = cfg.model or "distlab-tiny"
+    most, why = max_local_ranks(cfg.device)
+    if max(world_sizes) > most:
+        raise UsageError(f"--world-sizes {max(world_sizes)}: a local launch holds at most {most} ranks here ({why})")
     failed = []
     for strategy, k in todo:
         name = f"{strategy}_ws{k}"
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             job = launch_training(name, k, {**overrides, "strategy": strategy}, config=args.config,
                                   runs_dir=Path(args.runs_dir), timeout_s=args.timeout_s, echo=not args.quiet,
-                                  check=False)
+                                  check=False, scripts_dir=Path(args.runs_dir) / "launch")
         finally:
             if sampler:
                 sampler.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError, finite_float, run_main
 from distlab.launch.process import run
 from distlab.measure.utilisation import UtilizationSampler, plot_utilization
 from distlab.paths import BUILD_DIR
@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distlab.monitor", description=__doc__.split("\n\n")[0],
                                      usage="python -m distlab.monitor [options] -- CMD [ARG ...]")
     parser.add_argument("--out", default=str(BUILD_DIR / "monitor"), help="folder for monitor.csv/.png")
-    parser.add_argument("--interval-s", type=float, default=0.5, help="seconds between samples (default 0.5)")
+    parser.add_argument("--interval-s", type=finite_float, default=0.5, help="seconds between samples (default 0.5)")
     parser.add_argument("--source", choices=["auto", "gpu", "process"], default="auto",
                         help="auto: GPUs when nvidia-smi/rocm-smi answers, else the command's processes")
-    parser.add_argument("--timeout-s", type=float, default=3600, help="kill the command's group after this")
+    parser.add_argument("--timeout-s", type=finite_float, default=3600, help="kill the command's group after this")
     parser.add_argument("--quiet", action="store_true", help="do not echo the command's output")
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)

@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from distlab import markdown
 from distlab.cli import UsageError, run_main
 from distlab.paths import BUILD_DIR
 from distlab.provenance import stamp
@@ -60,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = [benchmark_report.save_metrics(df, args.out, provenance),
              *benchmark_report.save_plots(df, args.out, provenance),
              benchmark_report.write_report(df, args.out, provenance, title=args.title)]
-    print(df[["run", "strategy", "mode", "world_size", "tokens_per_s", "step_time_s", "scaling_efficiency",
-              "peak_mem_bytes", "final_loss"]].to_markdown(index=False, floatfmt=".4g"))
+    print(markdown.table(df[["run", "strategy", "mode", "world_size", "tokens_per_s", "step_time_s",
+                             "scaling_efficiency", "peak_mem_bytes", "final_loss"]]))
     print(json.dumps({"wrote": [str(p) for p in paths]}))
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from distlab import markdown
 from distlab.cli import UsageError, run_main
 from distlab.metrics import read_log
 from distlab.paths import BUILD_DIR
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     provenance = stamp(", ".join(models), "/".join(str(w) for w in df["world_size"]))
     paths = scaling_table.save_scaling(df.drop(columns="run"), args.out, provenance)
     shown = df.assign(run=[Path(r).name if Path(r).is_dir() else r for r in df["run"]])
-    print(shown[["run", "world_size", "steps_averaged", "step_time_s", "tokens_per_s", "speedup",
-                 "scaling_efficiency", "peak_mem_bytes"]].to_markdown(index=False, floatfmt=".4g"))
+    print(markdown.table(shown[["run", "world_size", "steps_averaged", "step_time_s", "tokens_per_s", "speedup",
+                 "scaling_efficiency", "peak_mem_bytes"]]))
     print(json.dumps({"wrote": [str(p) for p in paths]}))
     return 0
 

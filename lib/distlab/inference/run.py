@@ -27,7 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.device import backend_for
 from distlab.generate import write_jsonl
 from distlab.inference.batches import micro_batches, read_prompts
@@ -78,13 +78,13 @@ def parse_args(argv=None):
                     help="micro-batches in the pipeline at once (default all; 1 = one at a time)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--sample", action="store_true", help="temperature/top-p sampling (default greedy)")
-    ap.add_argument("--temperature", type=float, default=0.2)
-    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--temperature", type=finite_float, default=0.2)
+    ap.add_argument("--top-p", type=finite_float, default=0.9)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 3,1 (default balanced)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
                     help="torch threads per rank (default OMP_NUM_THREADS, else 1)")
-    ap.add_argument("--comm-timeout-s", type=float, default=120, help="timeout for one send/recv")
+    ap.add_argument("--comm-timeout-s", type=finite_float, default=120, help="timeout for one send/recv")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: the rank's GPU (LOCAL_RANK / SLURM_LOCALID) when one is visible, else CPU")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],

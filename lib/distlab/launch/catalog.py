@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from distlab import markdown
 from distlab.config import load_config
 from distlab.launch.generated import GENERATED_MARK, check_dir, extra_files, regenerate
 from distlab.launch.kubernetes import manifests
@@ -106,7 +107,7 @@ def render_demo_readme(matrix: Sequence[DemoRun] = DEMO_MATRIX) -> str:
             f"[`{row.name}/`]({row.name}/README.md)"
         accum = spec.global_batch_size // (spec.micro_batch_size * spec.data_parallel_size)
         lines.append(f"| {target} | {row.nnodes} x {row.gpus_per_node} | {spec.world_size} | {row.max_steps} | "
-                     f"{accum} | {row.purpose} | {row.timeout_s // 60} min |")
+                     f"{accum} | {markdown.cell(row.purpose)} | {row.timeout_s // 60} min |")
     lines += [
         "",
         "Each script changes to the repository root, runs "
@@ -192,7 +193,8 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
     ]
     for row in matrix:
         lines.append(f"| [`{row.name}`](jobs/{row.name}.yaml) | {row.strategy} | {row.pods} x 1 | {row.pods} | "
-                     f"{row.max_steps} | {row.global_batch_size} | {row.purpose} | {row.timeout_s // 60} min |")
+                     f"{row.max_steps} | {row.global_batch_size} | {markdown.cell(row.purpose)} | "
+                     f"{row.timeout_s // 60} min |")
     lines += [
         "",
         f"- `namespace.yaml`, `service.yaml`: the namespace `{ns}` and the headless Service `{svc}` "

@@ -25,7 +25,25 @@ from distlab.launch.torchrun import write_scripts
 from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
 
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
-SCRIPTS_DIR = BUILD_DIR / "launch"
+SCRIPTS_DIR = BUILD_DIR / "launch"  # where the scripts go unless the caller names a folder (scripts_dir)
+# CPU ranks one local launch may start per usable core. Chapter 02's oversubscription demo runs 4 ranks on
+# 2 cores (2 per core) and is slow by design; 4 per core leaves room to try more. Beyond that every rank
+# (a whole interpreter holding the model) only time-slices with the others, so nothing is measured any
+# more, while memory still grows by a model copy per rank: `--world-sizes 1000` is a mistake, not a run.
+CPU_RANKS_PER_CORE = 4
+
+
+def max_local_ranks(device: str = "auto") -> tuple[int, str]:
+    """How many ranks one local launch can hold for a config's `device`, and the reason (for the message)."""
+    import torch  # deferred: writing and running scripts needs no torch; only this question does
+
+    from distlab.measure.envcheck import usable_cores  # deferred: it loads torch too
+
+    if device != "cpu" and torch.cuda.is_available():  # NCCL refuses two ranks on one GPU
+        n = torch.cuda.device_count()
+        return n, f"{n} GPU(s), one rank each"
+    cores = usable_cores()
+    return cores * CPU_RANKS_PER_CORE, f"{cores} usable CPU core(s) x {CPU_RANKS_PER_CORE} ranks per core"
 
 
 @dataclass
@@ -81,16 +99,17 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
 def launch_training(name: str, world_size: int, overrides: Mapping[str, Any] | None = None, *,
                     config: str | Path = TINY_CONFIG, max_restarts: int = 0, env: Mapping[str, str] | None = None,
                     timeout_s: int = 900, runs_dir: Path = RUNS_DIR, echo: bool = True, check: bool = True,
-                    fresh: bool = True) -> TrainJob:
-    """Write build/launch/<name>.sh and run it. `fresh` clears the run folder first (a resume test
-    passes fresh=False to keep the checkpoints)."""
+                    fresh: bool = True, scripts_dir: Path = SCRIPTS_DIR) -> TrainJob:
+    """Write <scripts_dir>/<name>.sh (build/launch/ by default) and run it. `fresh` clears the run folder
+    first (a resume test passes fresh=False to keep the checkpoints)."""
     spec = training_spec(name, world_size, overrides or {}, config, max_restarts, env, timeout_s, runs_dir)
-    return _launch(spec, name, [name], timeout_s, runs_dir, echo, check, fresh)[name]
+    return _launch(spec, name, [name], timeout_s, runs_dir, echo, check, fresh, scripts_dir)[name]
 
 
 def launch_sweep(name: str, world_size: int, overrides: Mapping[str, Any], variants: Mapping[str, Mapping[str, Any]],
                  *, config: str | Path = TINY_CONFIG, env: Mapping[str, str] | None = None, timeout_s: int = 900,
-                 runs_dir: Path = RUNS_DIR, echo: bool = True, check: bool = True) -> dict[str, TrainJob]:
+                 runs_dir: Path = RUNS_DIR, echo: bool = True, check: bool = True,
+                 scripts_dir: Path = SCRIPTS_DIR) -> dict[str, TrainJob]:
     """Several runs ({run name: overrides on top of `overrides`}) in one torchrun launch, back to
     back in the same ranks and process group: one interpreter start, import and rendezvous
     instead of one per run. Each run gets its own folder and step log; they share the launch's
@@ -98,16 +117,16 @@ def launch_sweep(name: str, world_size: int, overrides: Mapping[str, Any], varia
     if not variants:
         raise ValueError(f"{name}: a sweep needs at least one variant")
     spec = training_spec(name, world_size, overrides, config, 0, env, timeout_s, runs_dir, variants=variants)
-    return _launch(spec, name, list(variants), timeout_s, runs_dir, echo, check, fresh=True)
+    return _launch(spec, name, list(variants), timeout_s, runs_dir, echo, check, True, scripts_dir)
 
 
 def _launch(spec: LaunchSpec, name: str, run_names: list[str], timeout_s: int, runs_dir: Path, echo: bool,
-            check: bool, fresh: bool) -> dict[str, TrainJob]:
+            check: bool, fresh: bool, scripts_dir: Path = SCRIPTS_DIR) -> dict[str, TrainJob]:
     launch_dir = Path(runs_dir) / name
     if fresh:
         for run_name in {name, *run_names}:
             shutil.rmtree(Path(runs_dir) / run_name, ignore_errors=True)
-    script = write_scripts(spec, SCRIPTS_DIR, name)[0]
+    script = write_scripts(spec, Path(scripts_dir), name)[0]
     # The script's own `timeout` fires first; the runner's limit is the backstop.
     result = run(["bash", str(script)], timeout_s=timeout_s + 60, log_path=launch_dir / "console.log",
                  env={"PYTHON": sys.executable}, echo=echo, check=check, cwd=os.getcwd())

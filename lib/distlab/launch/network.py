@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from distlab import yaml_input
 
 PRESETS_FILE = Path(__file__).with_name("network_presets.yaml")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -38,7 +38,7 @@ class NetworkPreset:
 
 @functools.lru_cache(maxsize=None)
 def _load(path: str) -> dict[str, NetworkPreset]:
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    data = yaml_input.load_file(path)
     if not isinstance(data, dict) or not data:
         raise NetworkPresetError(f"{path}: expected a mapping of preset names")
     presets = {}

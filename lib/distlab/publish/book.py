@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from distlab import paths
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.publish.book_build import BUILD_TIMEOUT_S, build
 from distlab.publish.book_staging import BookBuildError
 from distlab.publish.mathjax import MATHJAX_NPM_DIR, MATHJAX_VERSION, fetch_mathjax, find_mathjax
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fetch-mathjax", action="store_true",
                     help=f"first install MathJax {MATHJAX_VERSION} from npm into {MATHJAX_NPM_DIR} "
                          "(once; pages with math then render offline)")
-    ap.add_argument("--timeout-s", type=float, default=BUILD_TIMEOUT_S)
+    ap.add_argument("--timeout-s", type=finite_float, default=BUILD_TIMEOUT_S)
     ap.add_argument("-v", "--verbose", action="store_true", help="stream the Sphinx output")
     return ap
 

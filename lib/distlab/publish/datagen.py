@@ -45,6 +45,7 @@ from typing import Callable, NamedTuple
 
 import yaml
 
+from distlab import yaml_input
 from distlab.cli import run_main
 from distlab.paths import DATA_DIR, REPO_ROOT
 
@@ -204,11 +205,9 @@ def _read(path: Path, shape, entry: str | None = None):
     if not path.is_file():
         raise TableError(path, None, None, "no such file")
     try:
-        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=_TableLoader)
-    except yaml.YAMLError as exc:
-        mark = exc.problem_mark if isinstance(exc, yaml.MarkedYAMLError) else None
-        raise TableError(path, None, None, f"invalid YAML: {getattr(exc, 'problem', exc)}",
-                         mark and mark.line + 1) from exc
+        doc = yaml_input.load_file(path, loader=_TableLoader)
+    except yaml_input.YamlInputError as exc:
+        raise TableError(path, None, None, exc.reason, exc.line) from None
     _check_shape(doc, shape, path, entry, None, 0)
     return doc
 

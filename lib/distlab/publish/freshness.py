@@ -87,21 +87,37 @@ class OutputProblem:
         return f"{self.output}: {self.problem}"
 
 
+class NothingToCheck(ValueError):
+    """`check` pointed at folders with no outputs or no notebooks: "0 problems" would be a pass for nothing."""
+
+
 def stale_outputs(figures_dir: str | Path = paths.FIGURES_DIR, notebooks_dir: str | Path = paths.NOTEBOOKS_DIR,
                   profiles_file: str | Path | None = None, root: str | Path = paths.REPO_ROOT) -> list[OutputProblem]:
     """Every output in `figures_dir` whose sidecar is missing, names a dirty tree, carries no inputs
-    digest, or whose digest no longer matches the chapter's inputs in the tree."""
+    digest, or whose digest no longer matches the chapter's inputs in the tree. NothingToCheck when either
+    folder holds nothing to compare (a wrong path must not read as a clean tree)."""
     figures_dir, notebooks_dir = Path(figures_dir), Path(notebooks_dir)
     profiles = load_profiles(profiles_file or notebooks_dir / "profiles.yaml")
     chapters = {nb.name.split("_", 1)[0]: nb for nb in discover(notebooks_dir)}
+    if not chapters:
+        raise NothingToCheck(f"{notebooks_dir}: no NN_*.ipynb notebooks: nothing to check outputs against")
+    if not _outputs(figures_dir):
+        raise NothingToCheck(f"{figures_dir}: no outputs (figures or tables) to check")
     digests: dict[tuple[str, str], str] = {}
     problems: list[OutputProblem] = []
-    for out in sorted(p for p in figures_dir.iterdir() if p.is_file() and not p.name.endswith(SIDECAR_SUFFIX)):
+    for out in _outputs(figures_dir):
         side = out.with_name(out.name + SIDECAR_SUFFIX)
         if not side.exists():
             problems.append(OutputProblem(out.name, "no provenance sidecar"))
             continue
-        rec = json.loads(side.read_text())
+        try:
+            rec = json.loads(side.read_text(encoding="utf-8"))
+        except ValueError as e:  # UnicodeDecodeError (a binary file) or JSONDecodeError: named, not a traceback
+            problems.append(OutputProblem(out.name, f"sidecar {side.name} is not JSON text: {e}"))
+            continue
+        if not isinstance(rec, dict):
+            problems.append(OutputProblem(out.name, f"sidecar {side.name} is not a JSON object"))
+            continue
         if str(rec.get("commit", "")).endswith("+dirty") or rec.get("commit") in (None, "unknown"):
             problems.append(OutputProblem(out.name, f"drawn from an uncommitted tree (commit {rec.get('commit')})"))
         chapter, profile, recorded = rec.get("chapter"), rec.get("profile"), rec.get("inputs")
@@ -120,6 +136,11 @@ def stale_outputs(figures_dir: str | Path = paths.FIGURES_DIR, notebooks_dir: st
             problems.append(OutputProblem(out.name, f"stale: drawn from inputs {recorded}, the tree's chapter "
                                                     f"{chapter} ({profile} profile) is now {digests[key]}"))
     return problems
+
+
+def _outputs(figures_dir: Path) -> list[Path]:
+    """The figures and tables in `figures_dir` (not their sidecars)."""
+    return sorted(p for p in figures_dir.iterdir() if p.is_file() and not p.name.endswith(SIDECAR_SUFFIX))
 
 
 # ----------------------------------------------------------------------------- the incremental build
@@ -226,8 +247,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     problems = stale_outputs(args.figures_dir, args.notebooks_dir)
     for p in problems:
         print(p)
-    outputs = [p for p in args.figures_dir.iterdir() if p.is_file() and not p.name.endswith(SIDECAR_SUFFIX)]
-    print(f"freshness: {len(outputs)} outputs, {len(problems)} problem(s)")
+    print(f"freshness: {len(_outputs(args.figures_dir))} outputs, {len(problems)} problem(s)")
     return 1 if problems else 0
 
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
+from distlab import yaml_input
 
 NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
 DEFAULT_PROFILE = "cpu"
@@ -44,12 +44,16 @@ def selects(key: str, nb: Path) -> bool:
     return key == nb.stem or (key.isdigit() and int(key) == int(number))
 
 
+class ProfileError(ValueError):
+    """An unknown profile name (one line, exit 2 from distlab.cli.run_main)."""
+
+
 def load_profiles(path: str | Path | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Read a profiles file: {profile: {"*" | "NN" | stem: {param: value}}}. A missing file is {}."""
 
     if path is None or not Path(path).exists():
         return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = yaml_input.load_file(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of profile names")
     for name, body in data.items():
@@ -66,7 +70,7 @@ def parameters_for(profiles: dict, profile: str, notebook: str | Path) -> dict[s
     if profile not in profiles:
         if profile == DEFAULT_PROFILE:
             return {}  # the default profile may be left out: notebook defaults are the CPU ones
-        raise KeyError(f"unknown profile {profile!r} (have: {', '.join(profiles) or 'none'})")
+        raise ProfileError(f"unknown profile {profile!r} (have: {', '.join(profiles) or 'none'})")
     body = profiles[profile]
     stem = Path(notebook).stem
     m = NOTEBOOK_RE.match(Path(notebook).name)

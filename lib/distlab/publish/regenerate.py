@@ -45,11 +45,11 @@ import nbformat
 import yaml
 
 from distlab import paths
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.launch import process
 from distlab.provenance import git_commit
 from distlab.publish.freshness import ChapterCache, chapter_inputs
-from distlab.publish.profiles import DEFAULT_PROFILE, NOTEBOOK_RE, discover, load_profiles, parameters_for
+from distlab.publish.profiles import DEFAULT_PROFILE, NOTEBOOK_RE, ProfileError, discover, load_profiles, parameters_for
 
 DEFAULT_TIMEOUT_S = 3600.0
 DEFAULT_KERNEL = "python3"
@@ -358,7 +358,7 @@ def regenerate(
         profiles_file = notebooks_dir / "profiles.yaml"
     profiles = load_profiles(profiles_file)
     if profile not in profiles and profile != DEFAULT_PROFILE:
-        raise KeyError(f"unknown profile {profile!r} in {profiles_file} "
+        raise ProfileError(f"unknown profile {profile!r} in {profiles_file} "
                        f"(have: {', '.join(profiles) or 'none'})")
     selected = only is not None
     notebooks = discover(notebooks_dir, only)
@@ -494,7 +494,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="profiles file (default NOTEBOOKS_DIR/profiles.yaml)")
     ap.add_argument("--figures-dir", type=Path, default=None,
                     help="where the notebooks write figures/tables (exported as DISTLAB_FIGURES)")
-    ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+    ap.add_argument("--timeout-s", type=finite_float, default=DEFAULT_TIMEOUT_S,
                     help=f"per-notebook time limit in seconds (default {DEFAULT_TIMEOUT_S:g})")
     ap.add_argument("--kernel", default=DEFAULT_KERNEL,
                     help="Jupyter kernel name (default python3, this virtual environment's)")
@@ -513,19 +513,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
         return reap_and_run(cmd)
     args = _parser().parse_args(argv)
-    try:
-        results = regenerate(
-            profile=args.profile, only=args.only, notebooks_dir=args.notebooks_dir,
-            out_dir=args.out_dir, work_dir=args.work_dir, profiles_file=args.profiles_file,
-            figures_dir=args.figures_dir, timeout_s=args.timeout_s, kernel=args.kernel or None,
-            verbose=args.verbose, force=args.force, cache_dir=args.cache_dir,
-        )
-    except (KeyError, ValueError) as exc:
-        print(f"regenerate: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nregenerate: interrupted (the running notebook was killed as a group)", file=sys.stderr)
-        return 130
+    # bad input (an unknown profile or notebook) and Ctrl-C (the running notebook is killed as a group on the
+    # way out) end in run_main: one line, exit 2 or 130, like every other command
+    results = regenerate(
+        profile=args.profile, only=args.only, notebooks_dir=args.notebooks_dir,
+        out_dir=args.out_dir, work_dir=args.work_dir, profiles_file=args.profiles_file,
+        figures_dir=args.figures_dir, timeout_s=args.timeout_s, kernel=args.kernel or None,
+        verbose=args.verbose, force=args.force, cache_dir=args.cache_dir,
+    )
     bad = [r for r in results if not r.ok]
     total = sum(r.elapsed_s for r in results)
     cached = sum(r.cached for r in results)

@@ -187,12 +187,16 @@ class Strategy:
         optimizer.load_state_dict(state["optimizer"])
 
 
+class NeedsLauncherError(ValueError):
+    """A multi-rank strategy started as a plain process: a usage error (one line, exit 2), not a crash."""
+
+
 class DistributedStrategy(Strategy):
     """Process-group plumbing shared by every multi-rank strategy."""
 
     def setup(self, cfg) -> None:
         if "RANK" not in os.environ:
-            raise RuntimeError(f"strategy {self.name!r} needs a launcher: run it under torchrun "
+            raise NeedsLauncherError(f"strategy {self.name!r} needs a launcher: run it under torchrun "
                                "(distlab.launch writes the script)")
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.device import backend_for
 from distlab.workers import write_result
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--seconds-per-size", type=float, default=0.25, help="timed budget per size")
+    ap.add_argument("--seconds-per-size", type=finite_float, default=0.25, help="timed budget per size")
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=1000)
     args = ap.parse_args(argv)

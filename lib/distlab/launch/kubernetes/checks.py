@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import yaml
-
+from distlab import yaml_input
 from distlab.launch.kubernetes.manifests import DNS_1035_RE, DNS_LABEL_RE, GPU_RESOURCE, LABEL_RUN, QUANTITY_RE
 from distlab.launch.shell import looks_like_secret_name, looks_like_secret_value, show
 
@@ -100,10 +99,8 @@ def yaml_files(paths: Iterable[str | Path]) -> list[Path]:
 
 def load_docs(path: Path) -> tuple[list[Doc], list[Problem]]:
     try:
-        bodies = list(yaml.safe_load_all(path.read_text(encoding="utf-8")))
-    except UnicodeDecodeError as e:
-        return [], [Problem("schema", str(path), f"not UTF-8 text (byte {e.start}): not a manifest")]
-    except yaml.YAMLError as e:
+        bodies = yaml_input.load_file(path, all_documents=True)
+    except yaml_input.YamlInputError as e:
         return [], [Problem("schema", str(path), f"not valid YAML: {e}")]
     docs, problems = [], []
     for i, body in enumerate(b for b in bodies if b is not None):
