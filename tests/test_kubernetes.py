@@ -288,7 +288,8 @@ def test_an_empty_or_binary_file_fails(tmp_path, capsys, text):
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert command.main(["validate", str(path)]) == 1
     out = capsys.readouterr().out
-    assert out.startswith(f"FAIL {path}: 1 problem(s)") and ("no Kubernetes object" in out or "not UTF-8" in out or "a binary file" in out)
+    assert out.startswith(f"FAIL {path}: 1 problem(s)")
+    assert "no Kubernetes object" in out or "not UTF-8" in out or "a binary file" in out
 
 
 def test_a_folder_without_manifests_is_an_error(tmp_path, capsys):
