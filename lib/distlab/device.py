@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from distlab.paths import CACHE_DIR
-from distlab.provenance import device_description
+from distlab.provenance import cpuinfo_field, device_description
 
 # Dense (no sparsity) peak FLOP/s from vendor data sheets, matched by substring of the device name.
 # Only used when the name matches; anything else is measured with a matmul benchmark.
@@ -59,12 +59,7 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo; empty where there is none (then no native bf16 is assumed)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return set((cpuinfo_field("flags") or "").split())
 
 
 # dtype names that resolve to one of the table's entries in choose_device, depending on the hardware

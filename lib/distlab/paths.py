@@ -21,7 +21,3 @@ TRAIN_FILE = DATA_DIR / "support" / "train.jsonl"
 EVAL_FILE = DATA_DIR / "support" / "eval.jsonl"
 DEMO_PROMPTS = DATA_DIR / "prompts" / "demo_prompts.jsonl"
 
-
-def ensure_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path

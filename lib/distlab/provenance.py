@@ -60,15 +60,19 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def cpuinfo_field(key: str) -> str | None:
+    """The value of the first `key` line of /proc/cpuinfo ("model name", "flags"); None where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith(key)), None)
+    return line.partition(":")[2].strip() if line is not None else None
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, or what `platform` knows where that is missing."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def device_description() -> str:

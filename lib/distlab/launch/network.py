@@ -71,10 +71,6 @@ def presets(path: str | Path = PRESETS_FILE) -> dict[str, NetworkPreset]:
     return dict(_load(str(path)))
 
 
-def preset_names() -> list[str]:
-    return sorted(presets())
-
-
 def get_preset(name: str) -> NetworkPreset:
     """The preset called `name`; an unknown name raises NetworkPresetError listing the valid ones."""
     known = presets()
