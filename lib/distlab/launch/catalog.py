@@ -14,7 +14,6 @@ writes its manifest and entrypoint, plus the shared Namespace, Service and Docke
 from __future__ import annotations
 
 import argparse
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +26,7 @@ from distlab.launch.kubernetes.manifests import KubeJob, kube_spec
 from distlab.launch.kubernetes.manifests import render_files as render_kube
 from distlab.launch.network import describe
 from distlab.launch.sbatch import example_files as slurm_files
+from distlab.launch.shell import quote
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, render_files
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             # Exactly what to delete, in a form that can be pasted: regenerate deletes only its own
             # stale output, never a person's file or a link.
-            print(f"Extra files ({len(extra)}), to delete: rm -- " + " ".join(shlex.quote(str(Path(args.dir) / rel))
+            print(f"Extra files ({len(extra)}), to delete: rm -- " + " ".join(quote(str(Path(args.dir) / rel))
                                                                        for rel in extra))
         print("Run `python -m distlab.launch regenerate` (and review the diff).")
         return 1

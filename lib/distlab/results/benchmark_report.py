@@ -127,10 +127,6 @@ def save_plots(df, figures_dir: str | Path, provenance: dict, memory_label: str 
     return out
 
 
-def _md_table(df, floatfmt: str = ".4g") -> str:
-    return markdown.table(df, floatfmt)  # run names and log fields escaped: they come from outside
-
-
 REPORT_COLUMNS = ["strategy", "world_size", "tokens_per_s", "step_time_s", "scaling_efficiency", "comm_share",
                   "peak_mem_bytes", "mean_loss"]
 
@@ -149,10 +145,10 @@ def write_report(df, figures_dir: str | Path, provenance: dict, *, title: str = 
     for mode in dict.fromkeys(df["mode"]):
         sub = df[df["mode"] == mode]
         lines += [f"#### {'LoRA' if mode == 'lora' else 'Full fine-tuning'}: metrics", "",
-                  _md_table(sub[REPORT_COLUMNS]), ""]
-    lines += ["#### Peak memory per rank (bytes)", "", _md_table(df[["run", "peak_mem_bytes_per_rank"]]), ""]
+                  markdown.table(sub[REPORT_COLUMNS]), ""]
+    lines += ["#### Peak memory per rank (bytes)", "", markdown.table(df[["run", "peak_mem_bytes_per_rank"]]), ""]
     for heading, content in (sections or {}).items():
-        text = content if isinstance(content, str) else _md_table(content)
+        text = content if isinstance(content, str) else markdown.table(content)
         lines += [f"#### {heading}", "", text, ""]
     lines += ["#### Plots", "", ", ".join(f"`{p}`" for p in PLOTS.values()) + " (next to this report).", ""]
     lines += ["#### Definitions", "", f"Steady state: every step after the first {schema.WARMUP_STEPS} "
