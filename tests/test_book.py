@@ -1,6 +1,6 @@
 """python -m distlab.publish.book: the Jupyter Book builds offline and every page of the site renders.
 
-A small book input is prepared in a temporary folder (the repo's _config.yml and intro.md, one
+A small book input is prepared in a temporary folder (the repo's _config.yml and its pages, one
 fixture notebook executed by regenerate that draws a matplotlib figure and saves a figure and a table
 with provenance sidecars into a temporary figures folder), built, served on 127.0.0.1 and visited
 page by page in Debian's chromium through Playwright (distlab.publish.site_check.check_site).
@@ -38,8 +38,8 @@ def chromium() -> Path:
 def _book_source(root: Path) -> Path:
     src = root / "book"
     src.mkdir(parents=True)
-    for name in ("_config.yml", "intro.md"):
-        shutil.copy(REPO / "book" / name, src / name)
+    for page in [REPO / "book" / "_config.yml", *(REPO / "book").glob("*.md")]:  # intro, workshop, appendices
+        shutil.copy(page, src / page.name)
     return src
 
 

@@ -4,8 +4,9 @@ tables, staged in one folder, with the generated `_toc.yml` and `results.md`.
 `stage(SOURCE, OUT/src)` copies the hand-written pages of SOURCE (`_config.yml`, `intro.md`, ...), the
 executed notebooks of SOURCE/notebooks (written there by `python -m distlab.publish.regenerate`) and
 the figures and tables of `figures/` with their `*.provenance.json` sidecars, then writes `_toc.yml`
-(intro, one page per notebook in numeric order, results) and `results.md` (every figure with the
-provenance line from its sidecar, and every table).
+(intro, the front pages such as the workshop guide, one page per notebook in numeric order, the appendix
+pages `appendix_*.md`, results) and `results.md` (every figure with the provenance line from its sidecar,
+and every table).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ PROVENANCE_SUFFIX = ".provenance.json"
 CSV_INLINE_MAX_ROWS = 40
 CSV_INLINE_MAX_COLS = 12
 GENERATED = ("_toc.yml", "results.md")
+FRONT_PAGES = ("workshop",)  # hand-written pages between the intro and the chapters, in this order
+APPENDIX_GLOB = "appendix_*.md"  # hand-written pages after the chapters, in name order
 
 
 class BookBuildError(RuntimeError):
@@ -71,10 +74,30 @@ def notebook_title(path: str | Path) -> str:
     return f"{number} {rest.replace('_', ' ')}".strip()
 
 
-def write_toc(src_dir: str | Path, chapters: Sequence[Chapter]) -> Path:
-    """`_toc.yml` (jb-book): the intro as root, one chapter per notebook, then the results page."""
+def page_title(path: Path) -> str:
+    """The first Markdown heading of a page, else its file name."""
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        m = re.match(r"^#\s+(.+?)\s*$", line)
+        if m:
+            return m.group(1)
+    return path.stem.replace("_", " ")
 
-    entries = [{"file": c.docname, "title": c.title} for c in chapters]
+
+def extra_pages(src_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """The hand-written pages the table of contents lists besides the intro: (front pages, appendices)."""
+    src = Path(src_dir)
+    front = [src / f"{name}.md" for name in FRONT_PAGES if (src / f"{name}.md").is_file()]
+    return front, sorted(src.glob(APPENDIX_GLOB))
+
+
+def write_toc(src_dir: str | Path, chapters: Sequence[Chapter]) -> Path:
+    """`_toc.yml` (jb-book): the intro as root, the front pages (the workshop guide), one chapter per
+    notebook, the appendix pages, then the results page."""
+
+    front, appendices = extra_pages(src_dir)
+    entries = [{"file": p.stem, "title": page_title(p)} for p in front]
+    entries += [{"file": c.docname, "title": c.title} for c in chapters]
+    entries += [{"file": p.stem, "title": page_title(p)} for p in appendices]
     entries.append({"file": "results", "title": "Results"})
     toc = {"format": "jb-book", "root": "intro", "chapters": entries}
     path = Path(src_dir) / "_toc.yml"
@@ -240,6 +263,11 @@ def stage(source: str | Path, src_dir: str | Path, *, figures_dir: str | Path | 
     except (OSError, ValueError):
         summary = None
 
+    front, appendices = extra_pages(src_dir)
+    listed = {"intro.md", *(p.name for p in front + appendices)}
+    for page in sorted(src_dir.glob("*.md")):
+        if page.name not in listed and page.name not in GENERATED:
+            notes.append(f"{page.name} is in no table of contents: name it appendix_*.md or add it to FRONT_PAGES")
     toc = write_toc(src_dir, chapters)
     (src_dir / "results.md").write_text(results_markdown(figures, tables, chapters, summary))
     return {"src": src_dir, "toc": toc, "config": src_dir / "_config.yml", "chapters": chapters,

@@ -25,6 +25,9 @@ import torch
 from distlab.config import ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
 
 SHM_OP = "deepspeed_shm_comm"
+# torch's JIT build holds SHM_OP/lock while it compiles (about a minute here) and every other builder waits
+# for it to vanish, forever. A build killed midway leaves the lock behind; one older than this is stale.
+STALE_LOCK_S = 600
 
 
 # ----------------------------------------------------------------------------- the JIT op cache
@@ -56,6 +59,21 @@ def comm_op_cached(path: Path | None = None) -> bool:
     return (path / SHM_OP / f"{SHM_OP}.so").exists()
 
 
+def remove_stale_build_lock(path: Path | None = None, max_age_s: float = STALE_LOCK_S) -> Path | None:
+    """Remove the comm op's build lock when it is older than any real build (a killed build left it, and
+    every later build would wait for it forever); return the removed lock, else None."""
+    lock = (path or extensions_dir()) / SHM_OP / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < max_age_s:
+        return None
+    lock.unlink(missing_ok=True)
+    print(f"removed a stale build lock {lock} ({age / 60:.0f} min old: a killed build left it)", flush=True)
+    return lock
+
+
 def comm_op_needed() -> bool:
     """Does DeepSpeed build its shared-memory comm op here (CPU accelerator on Linux)?"""
     from deepspeed.accelerator import get_accelerator  # deferred: DeepSpeed is optional, and its import is slow
@@ -66,6 +84,7 @@ def comm_op_needed() -> bool:
 def prebuild_comm_op() -> Path:
     """Build (or load from the cache) DeepSpeed's shared-memory comm op in this process."""
     path = use_extensions_cache()
+    remove_stale_build_lock(path)
     import deepspeed  # deferred: DeepSpeed is optional, and its import is slow
     from deepspeed.accelerator import get_accelerator
 

@@ -1,0 +1,46 @@
+"""The book's table of contents: the intro, the workshop guide, the chapters in numeric order, the appendix
+pages, then the results page; a hand-written page that no table of contents lists is reported, not lost."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from distlab import paths
+from distlab.publish import book_staging
+
+
+def _notebook(path, title):
+    path.write_text(json.dumps({"cells": [{"cell_type": "markdown", "metadata": {}, "source": f"# {title}\n"}],
+                                "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+
+
+def test_toc_orders_intro_workshop_chapters_appendices_results(tmp_path):
+    source = tmp_path / "book"
+    source.mkdir()
+    (source / "_config.yml").write_text((paths.BOOK_DIR / "_config.yml").read_text())
+    (source / "intro.md").write_text("# Intro\n")
+    (source / "workshop.md").write_text("# Workshop guide\n")
+    (source / "appendix_kubernetes.md").write_text("# Appendix B · Kubernetes\n")
+    (source / "appendix_benchmarks.md").write_text("# Appendix A · Benchmarks\n")
+    (source / "stray.md").write_text("# A page nobody lists\n")
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    _notebook(executed / "10_ten.ipynb", "10 · Ten")
+    _notebook(executed / "02_two.ipynb", "02 · Two")
+    staged = book_staging.stage(source, tmp_path / "src", figures_dir=tmp_path / "nofigures",
+                                notebooks_dir=executed)
+    toc = yaml.safe_load(staged["toc"].read_text())
+    assert toc["root"] == "intro"
+    assert [e["file"] for e in toc["chapters"]] == ["workshop", "notebooks/02_two", "notebooks/10_ten",
+                                                    "appendix_benchmarks", "appendix_kubernetes", "results"]
+    assert toc["chapters"][0]["title"] == "Workshop guide"
+    assert any("stray.md is in no table of contents" in note for note in staged["notes"])
+
+
+def test_the_repository_book_lists_every_page_it_holds():
+    front, appendices = book_staging.extra_pages(paths.BOOK_DIR)
+    listed = {"intro.md", *(p.name for p in front + appendices)}
+    assert {p.name for p in paths.BOOK_DIR.glob("*.md")} <= listed
+    assert (paths.BOOK_DIR / "workshop.md") in front
