@@ -227,3 +227,18 @@ def test_emit_rank_result_prints_only_for_launched_ranks(tmp_path, monkeypatch):
     assert math.isnan(rec["rank_summary"]["tokens_per_s"]) and rec["warmup_steps"] == W
     back = extract_results(buf.getvalue(), expected_ranks=1)[0]
     assert back["steps"] == list(range(1, W + 1)) and math.isnan(back["rank_summary"]["step_time_s"])
+
+
+def test_results_and_step_logs_are_strict_json_and_nan_reads_back(tmp_path):
+    def strict(text):  # what jq or a browser accepts: no bare NaN or Infinity
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in {text[:80]!r}"))
+
+    buf = io.StringIO()
+    emit_result({"rank": 0, "loss": float("nan"), "rank_summary": {"step_time_s": float("inf"), "steps": 3}},
+                stream=buf)
+    strict(buf.getvalue().splitlines()[1])
+    back = extract_results(buf.getvalue(), expected_ranks=1)[0]
+    assert math.isnan(back["rank_summary"]["step_time_s"]) and back["rank_summary"]["steps"] == 3
+    log = StepLog(tmp_path)
+    log.write("step", step=1, loss=float("nan"))
+    assert strict(log.path.read_text())["loss"] is None

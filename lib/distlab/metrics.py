@@ -54,7 +54,7 @@ class StepLog:
             return
         record = {"event": event, "time": round(time.time(), 3), "rank": self.rank, **fields}
         with open(self.path, "a") as fh:
-            fh.write(json.dumps(record, default=str) + "\n")
+            fh.write(strict_json(record) + "\n")  # a diverged run's NaN loss is null, not bare NaN
 
 
 def strict_json(obj: Any, **kwargs: Any) -> str:

@@ -10,6 +10,7 @@ line. `collect_run` reads a run folder (its console.log, or torchrun's per-rank 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,9 @@ def extract_results(source, expected_ranks=None, name: str | None = None) -> dic
                                      f"{record['rank']}")
             if rank in results:
                 raise ResultLogError(f"{label}:{block.line}: rank {rank} reported twice (first at line {where[rank]})")
+            if isinstance(record.get("rank_summary"), dict):
+                # Strict JSON has no NaN: a number the rank could not measure was written as null.
+                record["rank_summary"] = {k: math.nan if v is None else v for k, v in record["rank_summary"].items()}
             results[rank], where[rank] = record, block.line
         elif stream in open_blocks:
             open_blocks[stream].body.append(rest)

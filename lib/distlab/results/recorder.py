@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from distlab.metrics import read_log
+from distlab.metrics import read_log, strict_json
 from distlab.provenance import device_description, git_commit
 from distlab.results import schema
 from distlab.results.schema import STATE_COMPONENTS
@@ -36,7 +36,7 @@ END = "=== DISTLAB_RESULT_END rank={rank} ==="
 def emit_result(record: Mapping[str, Any], rank: int | None = None, stream=None) -> None:
     """Print `record` as one JSON line between this rank's START/END markers, in one write."""
     rank = int(record.get("rank", 0) if rank is None else rank)
-    text = json.dumps(dict(record), default=str, separators=(",", ":"), allow_nan=True)
+    text = strict_json(dict(record), separators=(",", ":"))  # NaN and infinities become null: strict JSON
     stream = stream or sys.stdout
     stream.write(f"{START.format(rank=rank)}\n{text}\n{END.format(rank=rank)}\n")
     stream.flush()
