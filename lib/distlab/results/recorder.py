@@ -15,7 +15,6 @@ would count in the rank's measured peak RSS.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import sys
 from pathlib import Path
