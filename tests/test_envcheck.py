@@ -92,6 +92,11 @@ def test_allreduce_bench_busbw(sweep):
     # algbw is bytes over the measured time per op
     recomputed = sweep["size_bytes"] / (sweep["time_us"] * 1e-6) / 1e9
     assert ((sweep["algbw_GBps"] - recomputed).abs() <= 1e-6 * recomputed).all()
+    # rank 0's phases, wall clock, one after the other: imports, rendezvous, one per size
+    phases = sweep.attrs["phases"]
+    assert [p[2] for p in phases] == ["python, import torch", "rendezvous", "4 KiB", "64 KiB"]
+    assert all(start <= end for start, end, _ in phases)
+    assert all(a[1] <= b[0] + 1e-3 for a, b in zip(phases, phases[1:]))
 
 
 @pytest.mark.slow
@@ -215,3 +220,51 @@ def test_gpu_tool_output_is_parsed():
     rocm = utilisation._parse_rocm('{"card0": {"GPU use (%)": "55", "VRAM Total Memory (B)": "68702699520", '
                                '"VRAM Total Used Memory (B)": "1073741824"}, "system": {}}')
     assert rocm == [{"id": "0", "label": "gpu0", "util_pct": 55.0, "mem_mib": 1024.0}]
+
+
+def _timeline_csv(path):
+    rows = [{"t_s": t, "source": "process", "id": pid, "label": label, "util_pct": 50.0, "mem_mib": 100.0 + t}
+            for t in (0.0, 0.5, 1.0, 1.5) for pid, label in (("1", "rank 0 (pid 1)"), ("2", "rank 1 (pid 2)"))]
+    import pandas as pd
+
+    pd.DataFrame(rows, columns=utilisation.FIELDS).to_csv(path, index=False)
+    return path
+
+
+STAMP = {"device": "test", "model": "none", "world_size": 2, "commit": "abc1234", "date": "2026-01-01 00:00 UTC"}
+
+
+def test_plot_utilization_marks_spans_and_events(tmp_path):
+    csv_path = _timeline_csv(tmp_path / "util.csv")
+    spans = [(0.0, 0.4, "python, import torch"), (0.4, 0.45, "rendezvous"), (0.45, 0.5, "4 KiB"), (0.5, 1.5, "exit")]
+    fig = utilisation.plot_utilization(csv_path, tmp_path / "u.png", STAMP, spans=spans,
+                                       events=[(1.2, "rank 1 killed")])
+    strip, util, mem = fig.axes[:3]
+    labels = sorted(t.get_text() for t in strip.texts)
+    assert labels == sorted([s[2] for s in spans] + ["rank 1 killed"])
+    xs = sorted(t.get_position()[0] for t in strip.texts)
+    assert all(b > a for a, b in zip(xs, xs[1:]))  # neighbours never share a place
+    assert len(util.patches) == len(spans) and len(mem.patches) == len(spans)
+    assert (tmp_path / "u.png.provenance.json").exists()
+
+
+def test_plot_utilization_without_marks_keeps_two_plots(tmp_path):
+    fig = utilisation.plot_utilization(_timeline_csv(tmp_path / "util.csv"), tmp_path / "u.png", STAMP)
+    assert len(fig.axes) == 2
+
+
+def test_since_start_maps_wall_clock_onto_the_csv_clock(tmp_path):
+    before = time.time()
+    with utilisation.UtilizationSampler(tmp_path / "util.csv", interval_s=0.05, source="process") as sampler:
+        time.sleep(0.1)
+    assert before <= sampler.started_at <= time.time()
+    assert sampler.since_start(sampler.started_at + 2.5) == pytest.approx(2.5)
+
+
+def test_a_label_read_before_exec_is_read_again():
+    # Between fork and exec a child still shows its parent's command line: 'python', not what it becomes.
+    tree = utilisation.ProcessTree()
+    me = psutil.Process()
+    key = (me.pid, me.create_time())
+    assert tree._label(me, key) == f"this process (pid {me.pid})"
+    assert key not in tree._labels  # not a rank: read again next time

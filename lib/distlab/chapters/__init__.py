@@ -4,7 +4,8 @@ one name (`from distlab.chapters import ch04`), so a reader sees where every cel
 These modules sit at the top of the library: they may import anything below, and nothing below imports
 them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
 
-  ch00  the environment: the all-reduce sweep's bandwidth figure
+  ch00  the environment: the ring all-reduce simulated and drawn, the by-hand all-reduce against the
+        latency-bandwidth model and the library's sweep, the sweep's figure and phases
   ch01  one device: a real step's memory against the planner (measure_training_memory)
   ch02  DDP: where a step's time goes per world size (compute, transfer, waiting), drawn
   ch03  FSDP and ZeRO: planned bytes per rank as stacked bars against card capacities

@@ -1,9 +1,15 @@
 """A device-utilisation timeline around any run: GPU util % and memory when a vendor tool is
 there, otherwise CPU % and RSS of this process and everything it started.
 
-    with UtilizationSampler("build/runs/util.csv", pids="children"):
+    with UtilizationSampler("build/runs/util.csv", pids="children") as sampler:
+        launched = time.time()
         process.run([...torchrun...], timeout_s=60)
-    plot_utilization("build/runs/util.csv", "figures/util.png", provenance.stamp(...))
+    plot_utilization("build/runs/util.csv", "figures/util.png", provenance.stamp(...),
+                     spans=[(sampler.since_start(launched), sampler.since_start(time.time()), "the run")])
+
+`spans` (shaded, labelled intervals: the phases of a job) and `events` (labelled instants: a kill, a
+restart) are given in the CSV's clock, seconds since the sampler started; `since_start` converts a
+wall-clock time.time() reading, such as one a rank logged, into it.
 
 The sampler runs in a background thread, never raises into the caller (problems are kept in
 `.errors`) and takes a last sample when it stops.
@@ -137,9 +143,15 @@ class ProcessTree:
         return rows
 
     def _label(self, proc, key) -> str:
-        if key not in self._labels:
-            self._labels[key] = f"{_role(proc)} (pid {proc.pid})"
-        return self._labels[key]
+        if key in self._labels:
+            return self._labels[key]
+        role = _role(proc)
+        label = f"{role} (pid {proc.pid})"
+        # A process sampled between fork and exec still shows its parent's command line and environment
+        # (torchrun's agent is 'python' then, a rank 'torchrun'): only a rank's role is final and remembered.
+        if role.startswith("rank "):
+            self._labels[key] = label
+        return label
 
 
 def _is_rank(proc) -> bool:
@@ -178,7 +190,7 @@ class UtilizationSampler:
 
     `source`: 'auto' (GPUs when nvidia-smi/rocm-smi answers, else processes), 'gpu' or
     'process'. `pids` selects the processes (see ProcessTree). Columns: t_s (since start),
-    source, id, label, util_pct, mem_mib."""
+    source, id, label, util_pct, mem_mib. `started_at` is the wall-clock time (time.time()) of t_s = 0."""
 
     def __init__(self, csv_path: str | Path, interval_s: float = 0.5,
                  pids: None | str | Sequence[int] = None, source: str = "auto"):
@@ -194,6 +206,11 @@ class UtilizationSampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
+        self.started_at = 0.0
+
+    def since_start(self, wall_time: float) -> float:
+        """A time.time() reading (this process's, or a rank's on this machine) in the CSV's clock, t_s."""
+        return wall_time - self.started_at
 
     def __enter__(self) -> "UtilizationSampler":
         self.start()
@@ -204,7 +221,9 @@ class UtilizationSampler:
         return False  # the caller's exception, if any, goes on
 
     def start(self) -> None:
-        self._t0 = time.monotonic()
+        # t_s is counted on the monotonic clock (immune to clock steps); started_at, read at the same
+        # moment, maps the wall-clock times that other processes log onto it.
+        self._t0, self.started_at = time.monotonic(), time.time()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="UtilizationSampler", daemon=True)
         self._thread.start()
@@ -261,29 +280,73 @@ class UtilizationSampler:
 
 # ---------------------------------------------------------------- the plot
 
-def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
-                     title: str | None = None):
-    """Utilisation (top) and memory (bottom) over time, one line per GPU or process."""
-    from matplotlib.figure import Figure  # deferred: plotting is only needed when drawing
+Span = tuple[float, float, str]  # (start, end, label) in the CSV's clock: a phase of the run
+Event = tuple[float, str]  # (time, label): an instant, such as a kill or a restart
 
+LABEL_PITCH_IN = 0.13  # horizontal room one rotated label of the phase strip needs, in inches
+
+
+def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
+                     title: str | None = None, *, spans: Sequence[Span] = (), events: Sequence[Event] = ()):
+    """Utilisation (top) and memory (bottom) over time, one line per GPU or process.
+
+    `spans` shades the phases of a run on both plots and `events` draws a dashed line at each instant,
+    both in the CSV's clock (seconds since the sampler started: UtilizationSampler.since_start converts
+    a time.time() reading). Their labels stand in a strip above the plots, so they cover no line."""
+    from matplotlib import colormaps  # deferred: plotting is only needed when drawing
+    from matplotlib.figure import Figure
 
     df = pd.read_csv(csv_path, dtype={"id": str})
-    fig = Figure(figsize=(7, 5))
-    ax_util, ax_mem = fig.subplots(2, 1, sharex=True)
+    labels = [s[2] for s in spans] + [e[1] for e in events]
+    strip_in = 0.3 + 0.075 * max((len(text) for text in labels), default=0)  # upright labels: their length
+    fig = Figure(figsize=(7, 5 + (strip_in if labels else 0)))
+    if labels:
+        ax_strip, ax_util, ax_mem = fig.subplots(3, 1, sharex=True, height_ratios=[strip_in, 2.5, 2.5])
+    else:
+        ax_strip, (ax_util, ax_mem) = None, fig.subplots(2, 1, sharex=True)
     for (source, ident), g in df.groupby(["source", "id"], sort=False):
-        ax_util.plot(g["t_s"], g["util_pct"], ".-", label=g["label"].iloc[0])
+        # The most frequent label: not one read before exec ('python') or while exiting ('process').
+        ax_util.plot(g["t_s"], g["util_pct"], ".-", label=g["label"].mode().iloc[0])
         ax_mem.plot(g["t_s"], g["mem_mib"], ".-")
     is_gpu = (df["source"] == "gpu").any()
     ax_util.set_ylabel("GPU util %" if is_gpu else "CPU % (100 = 1 core)")
     ax_mem.set_ylabel("GPU memory MiB" if is_gpu else "RSS MiB")
     ax_mem.set_xlabel("seconds since the sampler started")
-    ax_util.set_title(title or f"utilisation timeline ({Path(csv_path).name})", fontsize=10)
+    (ax_strip or ax_util).set_title(title or f"utilisation timeline ({Path(csv_path).name})", fontsize=10)
     if df.empty:
         ax_util.text(0.5, 0.5, "no samples", transform=ax_util.transAxes, ha="center")
     else:
         ax_util.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in (ax_util, ax_mem):
         ax.grid(True, alpha=0.3)
+    palette = colormaps["Set2"].colors
+    marks = []  # (x of the label, label, colour)
+    for i, (t0, t1, text) in enumerate(spans):
+        colour = palette[i % len(palette)]
+        for ax, alpha in ((ax_strip, 0.6), (ax_util, 0.18), (ax_mem, 0.18)):
+            ax.axvspan(t0, t1, color=colour, alpha=alpha, lw=0)
+        marks.append(((t0 + t1) / 2, text, "black"))
+    for t, text in events:
+        for ax in (ax_strip, ax_util, ax_mem):
+            if ax is not None:
+                ax.axvline(t, color="crimson", ls="--", lw=1)
+        marks.append((t, text, "crimson"))
     fig.tight_layout()
+    if marks:
+        _label_strip(fig, ax_strip, marks)
     save_figure(fig, out_png, dict(provenance))
     return fig
+
+
+def _label_strip(fig, ax, marks: list[tuple[float, str, str]]) -> None:
+    """Upright labels in the strip, at their spans' centres or events, pushed right just enough that
+    neighbours (a short phase beside another) never overlap."""
+    ax.set_yticks([])
+    ax.set_ylim(0, 1)
+    lo, hi = ax.get_xlim()
+    pitch = LABEL_PITCH_IN * (hi - lo) / (ax.get_position().width * fig.get_figwidth())
+    placed = -float("inf")
+    for x, text, colour in sorted(marks, key=lambda m: m[0]):
+        placed = max(x, placed + pitch)
+        ax.text(placed, 0.04, text, rotation=90, ha="center", va="bottom", fontsize=7, color=colour,
+                clip_on=False)

@@ -11,6 +11,10 @@ time of the slowest rank counts (a collective is only done when everyone is). Th
 busbw does not depend on the number of ranks for an ideal ring, so it can be compared with the
 hardware's link bandwidth and across world sizes. gloo on CPU, nccl on GPU (--backend auto:
 distlab.device.backend_for; the launcher, distlab.measure.limits, picks gloo when GPUs are too few).
+
+Rank 0 also logs the wall-clock time (time.time()) of its phases, `phases` in the JSON: the process
+start, imports done, process group ready, and each size's start and end. Chapter 00 shades them on
+the utilisation timeline that UtilizationSampler records around the run.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import os
 import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from distlab.cli import finite_float, run_main
 from distlab.device import backend_for
+from distlab.measure.limits import size_text
 from distlab.workers import write_result
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-iters", type=int, default=1000)
     args = ap.parse_args(argv)
 
+    imported = time.time()  # python started and torch imported: the first seconds of every rank
     comm = Collective(args.backend)
+    phases = [{"label": "python, import torch", "start": psutil.Process().create_time(), "end": imported},
+              {"label": "rendezvous", "start": imported, "end": time.time()}]
     print(f"allreduce_bench: rank {comm.rank}/{comm.world} pid {os.getpid()} "
           f"backend {comm.backend} device {comm.device}", flush=True)
     try:
@@ -125,15 +134,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{'size(B)':>12} {'count':>10} {'iters':>6} {'time(us)':>10} "
                   f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}", flush=True)
         for kib in (float(s) for s in args.sizes_kib.split(",") if s.strip()):
+            started = time.time()
             r = time_size(comm, int(kib * 1024), DTYPES[args.dtype], args.warmup,
                           args.seconds_per_size, args.min_iters, args.max_iters)
             results.append(r)
+            phases.append({"label": size_text(r["size_bytes"]), "start": started, "end": time.time()})
             if comm.rank == 0:
                 print(f"{r['size_bytes']:>12} {r['count']:>10} {r['iters']:>6} {r['time_us']:>10.1f} "
                       f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f}", flush=True)
         if comm.rank == 0:
             write_result(args.out, {"backend": comm.backend, "world_size": comm.world, "device": str(comm.device),
-                                    "dtype": args.dtype, "bus_factor": bus_factor(comm.world), "results": results})
+                                    "dtype": args.dtype, "bus_factor": bus_factor(comm.world), "results": results,
+                                    "phases": phases})
         comm.barrier()
     finally:
         dist.destroy_process_group()

@@ -86,7 +86,9 @@ def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZ
     """Launch distlab.workers.allreduce_bench on `nproc` local ranks; one row per message size.
 
     gloo with one thread per rank on CPU, nccl when there is a GPU per rank (allreduce_backend).
-    Columns: size_bytes, count, iters, time_us, algbw_GBps, busbw_GBps, backend, world_size."""
+    Columns: size_bytes, count, iters, time_us, algbw_GBps, busbw_GBps, backend, world_size.
+    `df.attrs["phases"]`: rank 0's phases as (start, end, label), wall-clock time.time() seconds
+    (python start and imports, rendezvous, one per size), to shade on a utilisation timeline."""
     backend = allreduce_backend(device, nproc)
     if echo and backend == "gloo" and resolve_device(device) == "cuda":
         (echo if callable(echo) else print)(
@@ -101,4 +103,5 @@ def run_allreduce_bench(nproc: int = 2, sizes_kib: Sequence[float] = DEFAULT_SIZ
     df = pd.DataFrame(result["results"])
     df["backend"] = result["backend"]
     df["world_size"] = result["world_size"]
+    df.attrs["phases"] = [(p["start"], p["end"], p["label"]) for p in result.get("phases", [])]
     return df
