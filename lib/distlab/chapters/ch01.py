@@ -155,7 +155,7 @@ def loss_figure(steps: pd.DataFrame, evals: pd.DataFrame, title: str):
     ax.plot(evals["step"], evals["eval_loss"], "o", ms=8, color="C3", ls="none", label="held-out loss (measured)")
     for s, v in zip(evals["step"], evals["eval_loss"]):
         ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(8, -3), fontsize=8, color="C3")
-    ax.margins(x=0.06, y=0.08)
+    ax.margins(x=0.1, y=0.08)  # room for the last marker's label
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross entropy (nats/token)")
     ax.set_title(title, fontsize=10)
