@@ -16,7 +16,7 @@ from distlab.train import train
 QUICK = dict(max_steps=8, seq_len=256, micro_batch_size=2, logging_steps=2, lr=1e-2, warmup_steps=2,
              num_threads=1, progress=False)
 STEP_FIELDS = {"step", "world_size", "loss", "lr", "step_time_s", "tokens_per_s", "samples_per_s",
-               "peak_mem_bytes", "mfu", "grad_norm"}
+               "peak_mem_bytes", "mfu", "hfu", "grad_norm"}
 
 
 def test_lora_run_learns_logs_and_saves(tmp_path):
@@ -27,6 +27,7 @@ def test_lora_run_learns_logs_and_saves(tmp_path):
     for s in steps:
         assert STEP_FIELDS <= set(s)
         assert s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0 and 0 < s["mfu"] < 1
+        assert 0 < s["hfu"] < s["mfu"]  # per-document attention executes less than PaLM's count
     events = [r["event"] for r in read_log(result.log_path, event=None)]
     assert events[0] == "start" and events[-1] == "end" and events.count("eval") == 2
     meta = json.loads((tmp_path / "run_metadata.json").read_text())

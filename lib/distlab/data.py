@@ -403,6 +403,20 @@ class SFTData:
         return sum(len(it.input_ids) for it in self.items)
 
     @property
+    def label_tokens(self) -> int:
+        """Tokens the loss is taken on (labels are shifted in the loss: a row's first label never counts)."""
+        return sum(sum(1 for label in it.labels[1:] if label != IGNORE_INDEX) for it in self.items)
+
+    @property
+    def document_lengths(self) -> list[int]:
+        """The length of every example: a packed block holds several, whose position ids restart at 0."""
+        lengths = []
+        for it in self.items:
+            starts = [i for i, p in enumerate(it.position_ids) if p == 0] + [len(it.position_ids)]
+            lengths += [b - a for a, b in zip(starts, starts[1:])]
+        return lengths
+
+    @property
     def fill(self) -> float:
         """Fraction of a packed block that carries real tokens (1.0 = no padding at all)."""
         if not self.packed:

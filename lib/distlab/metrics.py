@@ -1,4 +1,4 @@
-"""What a step costs: FLOPs per token (for MFU) and the JSONL step log every chapter parses."""
+"""What a step costs: FLOPs per token (for MFU and HFU) and the JSONL step log every chapter parses."""
 
 from __future__ import annotations
 
@@ -9,25 +9,45 @@ from pathlib import Path
 from typing import Any
 
 
-def train_flops_per_token(config, n_trainable_linear: int, seq_len: int, full_finetune: bool) -> float:
-    """Model FLOPs per trained token (recomputation from activation checkpointing not counted).
+def train_flops_per_token(config, n_trainable_linear: int, seq_len: float, full_finetune: bool,
+                          label_fraction: float = 1.0, recompute: bool = False) -> float:
+    """Training FLOPs per real token, PaLM's way (Chowdhery et al. 2022, appendix B), counting
+    matmuls only (norms, softmax and the optimizer are left out).
 
-    Forward: 2 FLOPs per weight in every matmul (layers + LM head) plus attention scores and
-    values, 4 * layers * seq * hidden. Backward: gradients w.r.t. activations cost the forward
-    again twice over (2x); gradients w.r.t. weights (another 2 per weight) only for the weights
-    being trained. Full fine-tuning gives the familiar 6N + 12 L S d; LoRA gives 4N + 8 L S d plus
-    6 per adapter weight."""
+    Which positions count: the decoder layers run at every real token; the LM head at the
+    `label_fraction` of tokens that carry a label (in pretraining every token does, which gives
+    PaLM's 6N); attention scores and values cost 4 * layers * seq_len * heads * head_dim per token
+    in the forward, the full seq_len x seq_len square (causal masking not halved, as PaLM counts).
+
+    Forward: 2 FLOPs per weight and token. Backward: gradients w.r.t. activations cost the forward
+    again (2 per weight), and gradients w.r.t. weights 2 more per weight, but only for the weights
+    being trained. Full fine-tuning: 6N + 12 L S d. LoRA: 4N for the frozen weights (forward and
+    backward through them) + 8 L S d + 6 per adapter weight (forward, activation and weight
+    gradients). `recompute` adds the forward of the layers again (activation checkpointing)."""
     d, layers = config.hidden_size, config.num_hidden_layers
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or d // heads
     ffn = config.intermediate_size
     per_layer = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * ffn  # q,o + k,v + gate/up/down
-    matmul_weights = layers * per_layer + config.vocab_size * d  # + LM head
-    attention = 4 * layers * seq_len * heads * head_dim
-    forward = 2 * matmul_weights + attention
-    if full_finetune:
-        return 3 * forward
-    return 2 * forward + 6 * n_trainable_linear
+    layer_forward = 2 * layers * per_layer + 4 * layers * seq_len * heads * head_dim
+    head_forward = 2 * config.vocab_size * d * label_fraction
+    forward = layer_forward + head_forward
+    passes = 3 if full_finetune else 2  # forward + activation gradients (+ weight gradients)
+    adapter = 0 if full_finetune else 6 * n_trainable_linear
+    return passes * forward + adapter + (layer_forward if recompute else 0)
+
+
+def mean_attention_span(document_lengths) -> float:
+    """Keys per query, averaged over tokens, when every document attends only to itself (the
+    full square per document): sum(l^2) / sum(l). Put in train_flops_per_token's seq_len, it
+    counts the attention a per-document kernel executes instead of the whole packed row's."""
+    lengths = list(document_lengths)
+    return sum(n * n for n in lengths) / sum(lengths)
+
+
+def utilisation(tokens_per_s: float, flops_per_token: float, peak_flops: float, world_size: int = 1) -> float:
+    """FLOP/s achieved over the peak of all devices: MFU with model FLOPs, HFU with executed ones."""
+    return tokens_per_s * flops_per_token / (peak_flops * world_size)
 
 
 class StepLog:

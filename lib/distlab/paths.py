@@ -19,5 +19,6 @@ CACHE_DIR = BUILD_DIR / "cache"
 
 TRAIN_FILE = DATA_DIR / "support" / "train.jsonl"
 EVAL_FILE = DATA_DIR / "support" / "eval.jsonl"
+PARAPHRASES = DATA_DIR / "support" / "paraphrases.jsonl"  # held-out questions written apart from the templates
 DEMO_PROMPTS = DATA_DIR / "prompts" / "demo_prompts.jsonl"
 

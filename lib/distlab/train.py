@@ -22,12 +22,13 @@ import torch
 from tqdm import tqdm
 
 from distlab import checkpoint, faults, provenance, yaml_input
+from distlab.attention import VARLEN, resolve
 from distlab.batching import StepBatches
 from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
 from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
 from distlab.measure.meter import Meter
-from distlab.metrics import StepLog, strict_json, train_flops_per_token
+from distlab.metrics import StepLog, mean_attention_span, strict_json, train_flops_per_token, utilisation
 from distlab.models import count_parameters
 from distlab.prepare import prepare_run
 from distlab.results.recorder import emit_rank_result
@@ -59,6 +60,22 @@ def train(cfg: TrainConfig, strategy: Strategy | None = None, keep_group: bool =
     finally:
         strategy.meter.close()
         strategy.teardown(keep_group)
+
+
+def run_flops_per_token(cfg: TrainConfig, model_config, n_trainable: int, train_data) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) per real token of a run: MFU's and HFU's numerators.
+
+    Both count the LM head only where the data has labels (the loss needs nothing else). Model FLOPs
+    count attention over the whole packed row, as PaLM's formula does; executed FLOPs count what this
+    run's kernels compute: one square per document with per-document attention, and the layers'
+    forward again under activation checkpointing."""
+    label_fraction = train_data.label_tokens / train_data.real_tokens
+    per_document = train_data.packed and resolve(cfg.attn_implementation) == VARLEN
+    span = mean_attention_span(train_data.document_lengths) if per_document else cfg.seq_len
+    model = train_flops_per_token(model_config, n_trainable, cfg.seq_len, not cfg.lora, label_fraction)
+    executed = train_flops_per_token(model_config, n_trainable, span, not cfg.lora, label_fraction,
+                                     recompute=cfg.activation_checkpointing)
+    return model, executed
 
 
 def _resume(path: Path | None, strategy, model, optimizer, scheduler, batches, log: StepLog,
@@ -98,7 +115,7 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     strategy.barrier()
 
     base_config = strategy.unwrap(model).causal_lm.config
-    flops_per_token = train_flops_per_token(base_config, n_trainable, cfg.seq_len, full_finetune=not cfg.lora)
+    flops_per_token, executed_flops_per_token = run_flops_per_token(cfg, base_config, n_trainable, train_data)
     peak, peak_source = peak_flops(choice.device, choice.autocast_dtype or choice.dtype)
     log = StepLog(out, strategy.rank, all_ranks=strategy.world_size > 1)
     run_info = {
@@ -109,7 +126,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         "train_data": str(train_data.summary), "packing_fill": train_data.fill,
         "rows_per_step": batches.rows_per_step, "steps_per_epoch": batches.steps_per_epoch,
         "rows_left_out_per_epoch": batches.dropped_per_epoch,
-        "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
+        "flops_per_token": flops_per_token, "executed_flops_per_token": executed_flops_per_token,
+        "peak_flops": peak, "peak_flops_source": peak_source,
         "threads": torch.get_num_threads(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "versions": provenance.package_versions(), "commit": provenance.git_commit(),
         "fingerprint": run_fingerprint,
@@ -157,7 +175,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
                           mean_step_time_s=sum(window) / len(window), tokens=int(counts[1]),
                           tokens_per_s=tokens_per_s, samples_per_s=float(counts[2]) / step_time,
                           peak_mem_bytes=peak_memory_bytes(choice.device),
-                          mfu=tokens_per_s * flops_per_token / (peak * strategy.world_size),
+                          mfu=utilisation(tokens_per_s, flops_per_token, peak, strategy.world_size),
+                          hfu=utilisation(tokens_per_s, executed_flops_per_token, peak, strategy.world_size),
                           epoch=batches.epoch, **measured)
             log.write("step", **record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")

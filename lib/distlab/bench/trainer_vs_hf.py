@@ -1,6 +1,6 @@
 """distlab's loop vs Hugging Face Trainer (padding collator, fp32 and bf16) vs TRL SFTTrainer (packing).
 
-    python -m distlab.bench.trainer_vs_hf [--steps 40] [--rounds 2]
+    python -m distlab.bench.trainer_vs_hf [--steps 40] [--rounds 2] [--out figures]
 
 Same model (the default tiny Qwen2 + the same LoRA), same tokenised rows with the same label
 masking, same micro-batch, steps, optimizer and schedule, one CPU thread each. The Hugging Face
@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from distlab import paths
 from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conversations
@@ -155,7 +156,8 @@ def recipe_steps(device: str = "cpu") -> tuple:
 
 def recipe_ablation(steps: int = 8, warmup: int = 2, rounds: int = 2, micro_batch_size: int = 4, seq_len: int = 256):
     """distlab's own speed-ups one at a time, in this process (one thread), on the same packed
-    batches: milliseconds per forward+backward+AdamW step, medians over alternating rounds."""
+    batches: milliseconds per forward+backward+AdamW step, medians over alternating rounds, and
+    attention's share of one profiled step of each line (measured apart from the timed steps)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg = TrainConfig(micro_batch_size=micro_batch_size, seq_len=seq_len)
@@ -163,6 +165,7 @@ def recipe_ablation(steps: int = 8, warmup: int = 2, rounds: int = 2, micro_batc
     batches = [data.batch(range(i * micro_batch_size, (i + 1) * micro_batch_size)) for i in range(warmup + steps)]
     lines = recipe_steps("cpu")
     times: dict[str, list[float]] = {label: [] for label, _ in lines}
+    shares: dict[str, float] = {}
     try:
         for _ in range(rounds):
             for label, changes in lines:
@@ -181,11 +184,44 @@ def recipe_ablation(steps: int = 8, warmup: int = 2, rounds: int = 2, micro_batc
                     opt.step()
                     opt.zero_grad()
                 times[label].append((time.perf_counter() - t0) / steps * 1e3)
+                if label not in shares:  # after the timed steps: the profiler slows what it watches
+                    shares[label] = attention_share(model, opt, batches[0], choice)
     finally:
         torch.set_num_threads(threads)
     stock = statistics.median(times[lines[0][0]])
-    return pd.DataFrame([{"recipe": label, "ms_per_step": statistics.median(v), "speedup": stock / statistics.median(v)}
-                         for label, v in times.items()])
+    return pd.DataFrame([{"recipe": label, "ms_per_step": statistics.median(v), "speedup": stock / statistics.median(v),
+                          "attention_share": shares[label]} for label, v in times.items()])
+
+
+def _is_attention(name: str) -> bool:
+    return "scaleddotproduct" in name.replace("_", "").lower()
+
+
+def attention_share(model, optimizer, batch, choice) -> float:
+    """The share of one profiled training step's wall time spent inside scaled_dot_product_attention,
+    forward and backward (each SDPA call of the per-document loop included; an attention op nested in
+    another is counted once)."""
+    from torch.profiler import ProfilerActivity, profile  # deferred: only the ablation profiles a step
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        with autocast(choice):
+            loss = model(**model_inputs(batch, choice.device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        wall_us = (time.perf_counter() - t0) * 1e6
+
+    def outermost(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if _is_attention(parent.name):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    attention_us = sum(e.cpu_time_total for e in prof.events() if _is_attention(e.name) and outermost(e))
+    return attention_us / wall_us
 
 
 WORKERS = {"distlab": run_distlab, "hf_trainer": run_hf_trainer,
@@ -202,7 +238,7 @@ def compare(steps: int = 40, warmup: int = 5, rounds: int = 2, micro_batch_size:
         for name in frameworks:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "result.json"
-                run(python_module_cmd("distlab.bench.trainer_vs_hf", "--worker", name, "--out", str(out),
+                run(python_module_cmd("distlab.bench.trainer_vs_hf", "--worker", name, "--result", str(out),
                                       "--steps", str(steps), "--warmup", str(warmup),
                                       "--micro-batch-size", str(micro_batch_size), "--seq-len", str(seq_len)),
                     timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
@@ -231,12 +267,16 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
-    parser.add_argument("--csv", help="also save the table here (with a provenance sidecar)")
+    parser.add_argument("--csv", help="also save the framework table here (with a provenance sidecar)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="save both tables in DIR with provenance sidecars: 01_trainer_vs_hf.csv and, after "
+                             "the recipe ablation runs, 01_recipe_ablation.csv (the book's benchmark appendix "
+                             "shows the copies in figures/)")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)  # a worker's JSON result file
     args = parser.parse_args(argv)
     if args.worker:
-        Path(args.out).write_text(json.dumps(WORKERS[args.worker](args)))
+        Path(args.result).write_text(json.dumps(WORKERS[args.worker](args)))
         return 0
     df = compare(args.steps, args.warmup, args.rounds, args.micro_batch_size, args.seq_len, args.frameworks)
     print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
@@ -248,10 +288,40 @@ def main(argv=None) -> int:
             if name == "hf_trainer":
                 print(f"goal: distlab >= {GOAL_VS_HF_TRAINER}x HF Trainer (stock, fp32): "
                       f"{'met' if ratio >= GOAL_VS_HF_TRAINER else 'NOT met'}")
+    run_stamp = stamp("distlab-tiny", 1, threads_per_rank=1, steps=args.steps, rounds=args.rounds)
+    if args.out:
+        run_stamp = {**chapter_provenance(), **run_stamp}
     if args.csv:
-
-        save_table(df, args.csv, stamp("distlab-tiny", 1, threads_per_rank=1, steps=args.steps))
+        save_table(df, args.csv, run_stamp)
+    if args.out:
+        save_tables(df, Path(args.out), run_stamp, steps=args.steps, rounds=args.rounds,
+                    micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
     return 0
+
+
+def chapter_provenance(profile: str = "cpu") -> dict:
+    """The sidecar fields that tie a table in figures/ to the tree it was measured from: chapter 01's
+    inputs digest (its code cells, the library, the data, the locked versions; distlab.publish.freshness),
+    so the freshness check holds these tables to the chapter's own rule: measured at a clean commit from
+    the inputs still in the tree. regenerate sets the same fields through the environment."""
+    from distlab.publish.freshness import chapter_inputs  # deferred: only --out needs the digest (nbformat)
+    from distlab.publish.profiles import load_profiles, parameters_for  # deferred: as above (the profiles' YAML)
+
+    notebook = paths.NOTEBOOKS_DIR / "01_single_device_baseline.ipynb"
+    params = parameters_for(load_profiles(paths.NOTEBOOKS_DIR / "profiles.yaml"), profile, notebook)
+    return {"chapter": "01", "profile": profile, "inputs": chapter_inputs(notebook, profile, params)}
+
+
+def save_tables(frameworks: pd.DataFrame, out_dir: Path, run_stamp: dict, steps: int, rounds: int,
+                micro_batch_size: int, seq_len: int) -> list[Path]:
+    """Save the framework table, then run the recipe ablation and save it, both with provenance."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [save_table(frameworks, out_dir / "01_trainer_vs_hf.csv", run_stamp)]
+    recipe = recipe_ablation(steps=max(4, steps // 2), rounds=rounds, micro_batch_size=micro_batch_size,
+                             seq_len=seq_len)
+    print(recipe.round(3).to_string(index=False), flush=True)
+    paths.append(save_table(recipe.round(4), out_dir / "01_recipe_ablation.csv", run_stamp))
+    return paths
 
 
 if __name__ == "__main__":

@@ -1,21 +1,34 @@
-"""Chapter 01 (one device): a real optimizer step's memory, measured in the planner's terms so the two
-stand side by side. Measuring a run means building it, which is why this lives with the chapter and
-not in distlab.measure (which watches runs others build) or distlab.planning (torch-free arithmetic)."""
+"""Chapter 01 (one device): the plumbing of the single-device baseline notebook.
+
+The optimizer step drawn (draw_optimizer_step); the few-step run the hand-written loop is checked
+against (check_config, compare_losses); MFU beside HFU (throughput_table); the loss figure; key-fact
+accuracy on template and paraphrased questions as one table; the demo answers side by side; and a real
+optimizer step's memory, measured in the planner's terms so the two stand side by side. Measuring a run
+means building it, which is why this lives with the chapter and not in distlab.measure (which watches
+runs others build) or distlab.planning (torch-free arithmetic)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import matplotlib.pyplot as plt
+import pandas as pd
 import torch
+from matplotlib.patches import FancyBboxPatch
 
+from distlab import keyfacts
 from distlab.config import TrainConfig
 from distlab.data import model_inputs
 from distlab.device import autocast
+from distlab.generate import read_fact_rows, side_by_side
 from distlab.measure.state import measure_activation_memory, measure_state
+from distlab.metrics import read_log
+from distlab.planning import memory
 from distlab.prepare import prepare_run
 from distlab.results.schema import MemoryBreakdown
 from distlab.strategies import make_strategy
+from distlab.train import train
 
 
 @dataclass
@@ -23,7 +36,6 @@ class TrainingMemory:
     """One real optimizer step of a run on one device: what it held, and what the run was, in the
     terms of distlab.planning.memory.estimate_training_memory, so the two can be put side by side:
     `estimate_training_memory(m.model_config, **m.estimate_args)`."""
-
     measured: MemoryBreakdown
     model_config: Any  # the HF config of the model the run built
     estimate_args: dict[str, Any]  # the trainer's dtype, LoRA, batch shape, loss-token fraction
@@ -62,3 +74,148 @@ def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
         activation_checkpointing=cfg.activation_checkpointing, lora_dropout=cfg.lora_dropout,
         loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel())
     return TrainingMemory(measured, model.causal_lm.config, estimate_args)
+
+
+# --------------------------------------------------------------------------- the idea, drawn
+
+def draw_optimizer_step(micro_batches: int = 2):
+    """One optimizer step of distlab.train as boxes and arrows: micro-batches -> forward/backward
+    (summed token losses) -> gradients accumulate -> divide by the step's label tokens -> clip -> AdamW
+    step -> learning-rate schedule. Returns the figure."""
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.9 * micro_batches))
+    ax.set_axis_off()
+    ax.set_xlim(-0.1, 10)
+    ax.set_ylim(-0.85, micro_batches - 0.5)
+
+    def box(x, y, text, color, w=1.75, h=0.62):
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.05", fc=color, ec="0.3"))
+        ax.text(x, y, text, ha="center", va="center", fontsize=8)
+
+    def arrow(x0, y0, x1, y1):
+        ax.annotate("", (x1, y1), (x0, y0), arrowprops=dict(arrowstyle="->", color="0.3"))
+
+    mid = (micro_batches - 1) / 2
+    for i in range(micro_batches):
+        y = micro_batches - 1 - i
+        box(0.9, y, f"micro-batch {i + 1}\n(packed rows)", "#dbe9f6")
+        box(3.0, y, "forward: sum of\ntoken losses", "#fde2c8")
+        box(5.1, y, "backward of\nsum / N_labels", "#fde2c8")
+        arrow(1.8, y, 2.1, y)
+        arrow(3.9, y, 4.2, y)
+        arrow(6.0, y, 6.45, mid)
+    box(7.2, mid, "grads add up\nin .grad", "#e2f0d9", w=1.4)
+    box(8.95, mid + 0.45, "clip to\nmax norm", "#e2f0d9", w=1.5, h=0.55)
+    box(8.95, mid - 0.45, "AdamW step,\nLR schedule", "#e2f0d9", w=1.5, h=0.55)
+    arrow(7.9, mid, 8.2, mid + 0.35)
+    arrow(8.95, mid + 0.15, 8.95, mid - 0.15)
+    ax.text(5, -0.72, "N_labels = label tokens of the whole step (every micro-batch): the step's loss is "
+            "the mean over those tokens, however the batch is split", ha="center", fontsize=8, style="italic")
+    ax.set_title(f"one optimizer step with {micro_batches} micro-batches (gradient accumulation)", fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------- the mechanism, checked
+
+def check_config(cfg: TrainConfig, steps: int, grad_accum: int, output_dir) -> TrainConfig:
+    """A few steps of `cfg` with accumulation, no held-out evaluation and nothing saved: the run the
+    hand-written loop is compared with, step by step."""
+    return cfg.replace(max_steps=steps, grad_accum=grad_accum, eval_file=None, save_model=False, progress=False,
+                       logging_steps=1, output_dir=str(output_dir))
+
+
+def compare_losses(hand: list[float], cfg: TrainConfig) -> pd.DataFrame:
+    """Run distlab.train on `cfg` and set its logged per-step losses beside the hand-written loop's."""
+    library = [r["loss"] for r in read_log(train(cfg).log_path)]
+    table = pd.DataFrame({"step": range(1, len(hand) + 1), "hand-written loop": hand, "distlab.train": library})
+    table["difference"] = (table["hand-written loop"] - table["distlab.train"]).abs()
+    return table
+
+
+# --------------------------------------------------------------------------- measurements
+
+def throughput_table(start: dict, steps: pd.DataFrame) -> pd.Series:
+    """MFU and HFU of a run beside the FLOPs per token they count, averaged over the logged steps
+    after the first two (which include warm-up)."""
+    steady = steps.iloc[2:] if len(steps) > 4 else steps
+    return pd.Series({
+        "real tokens/s": steady["tokens_per_s"].mean(),
+        "model FLOPs per token (MFU)": start["flops_per_token"],
+        "executed FLOPs per token (HFU)": start["executed_flops_per_token"],
+        "peak FLOP/s (one-thread matmul)": start["peak_flops"],
+        "MFU": steady["mfu"].mean(),
+        "HFU": steady["hfu"].mean(),
+    }, name="single device")
+
+
+def loss_figure(steps: pd.DataFrame, evals: pd.DataFrame, title: str):
+    """Training loss per logged step as a line; held-out loss, measured before and after training
+    only, as markers (two measurements are not a curve)."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps["step"], steps["loss"], marker=".", label="training loss (global batch)")
+    ax.plot(evals["step"], evals["eval_loss"], "o", ms=8, color="C3", ls="none", label="held-out loss (measured)")
+    for s, v in zip(evals["step"], evals["eval_loss"]):
+        ax.annotate(f"{v:.2f}", (s, v), textcoords="offset points", xytext=(8, -3), fontsize=8, color="C3")
+    ax.margins(x=0.1, y=0.08)  # room for the last marker's label
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross entropy (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def keyfact_table(scores: dict[tuple[str, str], dict]) -> pd.DataFrame:
+    """{(prompt set, "before"|"after"): keyfact_accuracy result} as one row per prompt set, with
+    accuracy, facts found and facts asked before and after."""
+    rows = {}
+    for (prompts, when), score in scores.items():
+        row = rows.setdefault(prompts, {})
+        row[f"accuracy {when}"] = score["accuracy"]
+        row[f"found {when}"] = score["found"]
+        row["facts asked"] = score["asked"]
+        row["questions"] = len(score["rows"])
+    columns = ["questions", "facts asked", "found before", "accuracy before", "found after", "accuracy after"]
+    table = pd.DataFrame.from_dict(rows, orient="index").rename_axis("question set")
+    return table[[c for c in columns if c in table]]  # before training, there is no "after" yet
+
+
+def demo_table(before: list[dict], after: list[dict], prompt_file) -> pd.DataFrame:
+    """The demo prompts' answers before and after side by side, with the facts each should state and
+    how many of them each answer states."""
+    table = side_by_side(before, after)
+    demo_facts = {r["id"]: r["facts"] for r in read_fact_rows(prompt_file)}
+    facts = [demo_facts.get(i, []) for i in table["id"]]
+    table["facts"] = ["; ".join(f) for f in facts]
+    table["before_found"] = [sum(keyfacts.facts_found(a, f)) for a, f in zip(table["before"], facts)]
+    table["after_found"] = [sum(keyfacts.facts_found(a, f)) for a, f in zip(table["after"], facts)]
+    table["facts_asked"] = [len(f) for f in facts]
+    return table
+
+
+def activation_memory_by_micro_batch(cfg: TrainConfig, micro_batch_sizes) -> pd.Series:
+    """Measured activation bytes (MiB) of one step for each micro-batch size."""
+    return pd.Series({m: measure_training_memory(cfg.replace(micro_batch_size=m)).measured.activations / 2**20
+                      for m in micro_batch_sizes}, name="activations (MiB)").rename_axis("micro-batch size")
+
+
+def plan_7b_lora():
+    """The memory estimate of Llama-2-7B + LoRA r=16 on q,v at micro-batch 1 x 2048 tokens, weights in
+    bf16 or 4-bit, activation checkpointing off or on, as a stacked bar chart against 12 GB and 8 GB
+    cards. Returns (figure, table in GiB)."""
+    rows = {}
+    for bits, label in ((16, "bf16"), (4, "4-bit")):
+        for ckpt in (False, True):
+            rows[f"{label}, ckpt {'on' if ckpt else 'off'}"] = memory.estimate_training_memory(
+                memory.LLAMA2_7B, weight_bytes=bits / 8, lora_r=16, lora_targets=["q_proj", "v_proj"],
+                trainable_bytes=4, micro_batch=1, seq_len=2048, activation_bytes=2, activation_checkpointing=ckpt)
+    plan = memory.breakdown_table(rows, unit=2**30, unit_name="GiB").T
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
+    plan.drop(columns="total").plot.barh(stacked=True, ax=ax)
+    for gb, name, side in ((12, "RTX 5070 Ti 12 GB", "left"), (8, "RTX 4070 / 3070 Ti 8 GB", "right")):
+        x = gb * 1e9 / 2**30  # a card's GB are 10^9 bytes; the axis is in GiB
+        ax.axvline(x, color="k", ls="--", lw=1)
+        ax.text(x, 1.01, f" {name} = {x:.2f} GiB ", transform=ax.get_xaxis_transform(), fontsize=7, ha=side,
+                va="bottom")
+    ax.set_xlabel("GiB per GPU (estimate)")
+    ax.set_title("Llama-2-7B + LoRA r=16 (q,v), micro-batch 1 x 2048 tokens", pad=14)
+    return fig, plan
