@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test test-fast lint book notebooks site publish lock clean help deepspeed-op debian models
+.PHONY: all env test test-fast lint book notebooks site publish lock clean help deepspeed-op debian models benchmarks
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
@@ -18,6 +18,7 @@ help:
 	@echo "make test   - set up, lint (ruff), run the test suite"
 	@echo "make test-fast - lint and the unit tests only (pytest -m 'not slow': no torchrun, notebooks, book, clusters), under 3 min"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
+	@echo "make benchmarks - measure the book appendix's benchmark tables again (distlab vs HF Trainer vs TRL, the recipe)"
 	@echo "make publish REMOTE=... - push the built site to REMOTE's gh-pages branch (ghp-import)"
 
 env: $(STAMP)
@@ -71,6 +72,11 @@ site: $(STAMP)
 book: $(STAMP) deepspeed-op models
 	@rc=0; $(PY) -m distlab.publish.regenerate $(REGEN_ARGS) || rc=$$?; \
 	$(PY) -m distlab.publish.book --check --fetch-mathjax || rc=$$?; exit $$rc
+
+# The appendix's benchmark tables: not a chapter's, so `make book` does not redraw them; the freshness check
+# (and so `make publish`) flags them once the library changes. Several minutes on 2 cores: run on a quiet machine.
+benchmarks: $(STAMP) models
+	$(PY) -m distlab.bench.trainer_vs_hf --out figures
 
 # Push book/_build/html to the gh-pages branch of REMOTE (a remote name, URL or bare repository path) with
 # ghp-import; refused while any committed figure is stale or was drawn from a dirty tree.

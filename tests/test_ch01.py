@@ -119,7 +119,7 @@ def test_benchmark_out_saves_both_tables_with_provenance(tmp_path, monkeypatch):
     frameworks = pd.DataFrame([{"framework": "distlab", "tokens_per_s": 10.0}])
     saved = trainer_vs_hf.save_tables(frameworks, tmp_path, {"model": "m"}, steps=8, rounds=1, micro_batch_size=4,
                                       seq_len=256)
-    assert [p.name for p in saved] == ["01_trainer_vs_hf.csv", "01_recipe_ablation.csv"]
+    assert [p.name for p in saved] == ["bench_trainer_vs_hf.csv", "bench_recipe_ablation.csv"]
     for p in saved:
         assert p.exists() and p.with_name(p.name + ".provenance.json").exists()
     assert list(pd.read_csv(saved[1]).columns) == ["recipe", "ms_per_step", "speedup", "attention_share"]
@@ -177,12 +177,21 @@ def test_keyfact_table_puts_before_and_after_side_by_side():
     assert table.loc["paraphrases", "accuracy after"] == 0.5 and table.loc["templates", "found before"] == 1
 
 
-def test_benchmark_tables_carry_chapter_01s_inputs_digest():
-    from distlab.bench.trainer_vs_hf import chapter_provenance
-    from distlab.publish import freshness
-    from distlab.publish.profiles import load_profiles, parameters_for
+def test_benchmark_tables_are_fresh_until_the_library_changes(tmp_path):
+    import json
 
-    nb = paths.NOTEBOOKS_DIR / "01_single_device_baseline.ipynb"
-    params = parameters_for(load_profiles(paths.NOTEBOOKS_DIR / "profiles.yaml"), "cpu", nb)
-    assert chapter_provenance() == {"chapter": "01", "profile": "cpu",
-                                    "inputs": freshness.chapter_inputs(nb, "cpu", params)}
+    from distlab.bench.trainer_vs_hf import benchmark_provenance
+    from distlab.publish import freshness
+
+    arguments = {"steps": 40, "rounds": 2}
+    side = {"commit": "abc1234", "device": "cpu", **benchmark_provenance(arguments)}
+    assert side["inputs"] == freshness.benchmark_inputs("distlab.bench.trainer_vs_hf", arguments)
+    assert side["inputs"] != freshness.benchmark_inputs("distlab.bench.trainer_vs_hf", {"steps": 8, "rounds": 2})
+    table = tmp_path / "bench_trainer_vs_hf.csv"
+    table.write_text("framework,tokens_per_s\ndistlab,1\n")
+    sidecar = table.with_name(table.name + ".provenance.json")
+    sidecar.write_text(json.dumps(side))
+    assert freshness.stale_outputs(tmp_path) == []
+    sidecar.write_text(json.dumps({**side, "inputs": "0" * 16}))  # measured from another library
+    [problem] = freshness.stale_outputs(tmp_path)
+    assert "make benchmarks" in problem.problem

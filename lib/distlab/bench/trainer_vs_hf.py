@@ -26,7 +26,6 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from distlab import paths
 from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conversations
@@ -39,6 +38,8 @@ from distlab.provenance import save_table, stamp
 from distlab.train import train
 
 FRAMEWORKS = ("distlab", "hf_trainer", "hf_trainer_bf16", "trl_sft_packing")
+MODULE = "distlab.bench.trainer_vs_hf"  # what `make benchmarks` runs; its tables name it in their sidecars
+FRAMEWORK_TABLE, RECIPE_TABLE = "bench_trainer_vs_hf.csv", "bench_recipe_ablation.csv"
 GOAL_VS_HF_TRAINER = 1.6  # printed against, never asserted in a timed test
 DISTLAB_DTYPE = "auto-bf16"  # bf16 autocast where native (distlab.device.native_bf16), else fp32
 
@@ -269,9 +270,9 @@ def main(argv=None) -> int:
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
     parser.add_argument("--csv", help="also save the framework table here (with a provenance sidecar)")
     parser.add_argument("--out", metavar="DIR",
-                        help="save both tables in DIR with provenance sidecars: 01_trainer_vs_hf.csv and, after "
-                             "the recipe ablation runs, 01_recipe_ablation.csv (the book's benchmark appendix "
-                             "shows the copies in figures/)")
+                        help=f"save both tables in DIR with provenance sidecars: {FRAMEWORK_TABLE} and, after "
+                             f"the recipe ablation runs, {RECIPE_TABLE} (`make benchmarks` writes them to figures/, "
+                             "which the book's benchmark appendix shows)")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)  # a worker's JSON result file
     args = parser.parse_args(argv)
@@ -288,9 +289,9 @@ def main(argv=None) -> int:
             if name == "hf_trainer":
                 print(f"goal: distlab >= {GOAL_VS_HF_TRAINER}x HF Trainer (stock, fp32): "
                       f"{'met' if ratio >= GOAL_VS_HF_TRAINER else 'NOT met'}")
-    run_stamp = stamp("distlab-tiny", 1, threads_per_rank=1, steps=args.steps, rounds=args.rounds)
-    if args.out:
-        run_stamp = {**chapter_provenance(), **run_stamp}
+    arguments = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+                 "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "frameworks": args.frameworks}
+    run_stamp = {**benchmark_provenance(arguments), **stamp("distlab-tiny", 1, threads_per_rank=1)}
     if args.csv:
         save_table(df, args.csv, run_stamp)
     if args.out:
@@ -299,29 +300,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def chapter_provenance(profile: str = "cpu") -> dict:
-    """The sidecar fields that tie a table in figures/ to the tree it was measured from: chapter 01's
-    inputs digest (its code cells, the library, the data, the locked versions; distlab.publish.freshness),
-    so the freshness check holds these tables to the chapter's own rule: measured at a clean commit from
-    the inputs still in the tree. regenerate sets the same fields through the environment."""
-    from distlab.publish.freshness import chapter_inputs  # deferred: only --out needs the digest (nbformat)
-    from distlab.publish.profiles import load_profiles, parameters_for  # deferred: as above (the profiles' YAML)
+def benchmark_provenance(arguments: dict) -> dict:
+    """The sidecar fields that tie these tables to the tree they were measured from: this command, its
+    arguments and the digest of the library, data and locked versions (distlab.publish.freshness), so the
+    freshness check holds them to the book's rule: measured at a clean commit from the inputs in the tree."""
+    from distlab.publish.freshness import benchmark_inputs  # deferred: only saving tables needs the digest
 
-    notebook = paths.NOTEBOOKS_DIR / "01_single_device_baseline.ipynb"
-    params = parameters_for(load_profiles(paths.NOTEBOOKS_DIR / "profiles.yaml"), profile, notebook)
-    return {"chapter": "01", "profile": profile, "inputs": chapter_inputs(notebook, profile, params)}
+    return {"benchmark": MODULE, "arguments": arguments,
+            "inputs": benchmark_inputs(MODULE, arguments)}
 
 
 def save_tables(frameworks: pd.DataFrame, out_dir: Path, run_stamp: dict, steps: int, rounds: int,
                 micro_batch_size: int, seq_len: int) -> list[Path]:
     """Save the framework table, then run the recipe ablation and save it, both with provenance."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [save_table(frameworks, out_dir / "01_trainer_vs_hf.csv", run_stamp)]
+    saved = [save_table(frameworks, out_dir / FRAMEWORK_TABLE, run_stamp)]
     recipe = recipe_ablation(steps=max(4, steps // 2), rounds=rounds, micro_batch_size=micro_batch_size,
                              seq_len=seq_len)
     print(recipe.round(3).to_string(index=False), flush=True)
-    paths.append(save_table(recipe.round(4), out_dir / "01_recipe_ablation.csv", run_stamp))
-    return paths
+    saved.append(save_table(recipe.round(4), out_dir / RECIPE_TABLE, run_stamp))
+    return saved
 
 
 if __name__ == "__main__":

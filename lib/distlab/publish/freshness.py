@@ -8,7 +8,9 @@ kernel (DISTLAB_INPUTS), so `provenance.stamp` writes it into every sidecar besi
 Two users of the one digest:
   - `stale_outputs` (and `python -m distlab.publish.freshness check`, and tests/test_freshness.py): a
     committed output is stale when its recorded digest no longer matches the tree, and unclean when it
-    was drawn from a tree with uncommitted inputs ("+dirty") or carries no digest at all.
+    was drawn from a tree with uncommitted inputs ("+dirty") or carries no digest at all. The tables of a
+    benchmark command (`make benchmarks`, for the book's appendix) carry `benchmark_inputs` instead: the
+    command, its arguments and the same library, data and lock files, without a notebook.
   - `ChapterCache` (regenerate's incremental build): a chapter whose digest matches its last successful
     execution is not executed again; its executed copy gets the notebook's current prose, and the
     figures it wrote are restored from the cache where they differ.
@@ -60,6 +62,17 @@ def code_cells(notebook: str | Path) -> list[str]:
     """The sources of a notebook's code cells, in order: what its outputs can depend on."""
     nb = nbformat.read(str(notebook), as_version=4)
     return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def benchmark_inputs(module: str, arguments: dict[str, Any], root: str | Path = paths.REPO_ROOT) -> str:
+    """The digest of everything a benchmark command's outputs depend on: its module and arguments, the
+    library, the data and the locked versions (no notebook: `make benchmarks` runs it, not a chapter)."""
+    root = Path(root)
+    h = hashlib.sha256()
+    h.update(json.dumps({"benchmark": module, "arguments": arguments}, sort_keys=True, default=str).encode())
+    for path in _tracked(root, SHARED_INPUTS):
+        h.update(b"\0file\0" + str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:DIGEST_LENGTH]
 
 
 def chapter_inputs(notebook: str | Path, profile: str, parameters: dict[str, Any],
@@ -121,6 +134,12 @@ def stale_outputs(figures_dir: str | Path = paths.FIGURES_DIR, notebooks_dir: st
         if str(rec.get("commit", "")).endswith("+dirty") or rec.get("commit") in (None, "unknown"):
             problems.append(OutputProblem(out.name, f"drawn from an uncommitted tree (commit {rec.get('commit')})"))
         chapter, profile, recorded = rec.get("chapter"), rec.get("profile"), rec.get("inputs")
+        if rec.get("benchmark"):  # a benchmark command's output (make benchmarks), not a chapter's
+            now = benchmark_inputs(rec["benchmark"], rec.get("arguments") or {}, root)
+            if recorded != now:
+                problems.append(OutputProblem(out.name, f"stale: measured from inputs {recorded}, the tree's "
+                                                        f"{rec['benchmark']} is now {now} (run make benchmarks)"))
+            continue
         if not (chapter and profile and recorded):
             problems.append(OutputProblem(out.name, "sidecar records no chapter/profile/inputs digest "
                                                     "(not drawn by python -m distlab.publish.regenerate)"))
