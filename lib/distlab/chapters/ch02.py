@@ -220,7 +220,8 @@ def plot_step_split(rows: Mapping[str, Mapping[str, float]], path: str | Path, p
         bottom = [b + v for b, v in zip(bottom, values)]
     for x, texts in enumerate(slivers):  # listed beside the bar, top down, one line each
         for j, (text, color) in enumerate(reversed(texts)):
-            ax.text(x + 0.28, totals[x] - j * 0.07 * tallest, text, ha="left", va="center", fontsize=7, color=color)
+            ax.text(x + 0.3, totals[x] + (0.03 - j * 0.07) * tallest, text, ha="left", va="center", fontsize=7,
+                    color=color)
     ax.set_xticks(range(len(labels)), labels)
     ax.set(ylabel="ms per optimizer step (slowest rank)", title=title, ylim=(0, tallest * 1.1),
            xlim=(-0.5, len(labels) - 0.5 + 0.9))
