@@ -15,8 +15,13 @@ import pandas as pd
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab import paths
+from distlab.config import LORA_TARGETS
+from distlab.generate import adapter_keyfact_accuracy
 from distlab.launch.process import run
+from distlab.metrics import read_log
+from distlab.planning import memory
 from distlab.provenance import save_figure
+from distlab.results import scaling_table
 
 # ---------------------------------------------------------------- the idea, drawn
 
@@ -186,8 +191,6 @@ def plot_ddp_trace(traces: Sequence[dict], path: str | Path, provenance: dict) -
 def step_split(breakdown: Mapping[int, object]) -> dict[str, dict[str, float]]:
     """{"k rank(s)": compute / wait / transfer seconds per step} from the runs timed with the comm hook
     (`breakdown`: world size -> job), for plot_step_split."""
-    from distlab.results import scaling_table  # deferred: only the breakdown needs it
-
     out = {}
     for k, job in sorted(breakdown.items()):
         c = scaling_table.comm_split(job.log)
@@ -296,8 +299,6 @@ def breakdown_table(split: Mapping[str, Mapping[str, float]], breakdown: Mapping
                     scaling: pd.DataFrame) -> pd.DataFrame:
     """Per world size: the hook-on run's compute / wait / transfer (ms per step), its tokens/s, and the
     hook-off median tokens/s, so that the instrument's own cost shows."""
-    from distlab.results import scaling_table  # deferred: as in step_split
-
     off = scaling.set_index("world_size")["tokens_per_s"]
     rows = []
     for k, job in sorted(breakdown.items()):
@@ -313,8 +314,6 @@ def plot_loss_by_world_size(logs: Mapping[int, str | Path], path: str | Path, pr
                             global_batch_size: int) -> pd.Series:
     """Two loss curves (the first two world sizes) and their relative difference per step, drawn;
     returns the relative difference."""
-    from distlab.metrics import read_log  # deferred: as in step_split
-
     (k1, log1), (k2, log2) = list(logs.items())[:2]
     a = pd.DataFrame(read_log(log1)).set_index("step")["loss"]
     b = pd.DataFrame(read_log(log2)).set_index("step")["loss"]
@@ -337,10 +336,6 @@ def plot_loss_by_world_size(logs: Mapping[int, str | Path], path: str | Path, pr
 def allreduce_cost_table(model, lora_rank: int = 16) -> pd.DataFrame:
     """Bytes and ring all-reduce time of one step's fp32 gradients at 1, 10 and 100 Gbit/s on 2 ranks:
     LoRA and full fine-tuning, of `model` (a transformers model) and of Llama-2-7B."""
-    from distlab.config import LORA_TARGETS  # deferred: the planner and config only matter here
-    from distlab.planning import memory
-    from distlab.results.scaling_table import allreduce_cost
-
     llama = memory.LLAMA2_7B
     cases = {"LoRA, this model": memory.lora_parameter_count(model.config, lora_rank, LORA_TARGETS),
              "full, this model": sum(p.numel() for p in model.parameters()),
@@ -350,15 +345,13 @@ def allreduce_cost_table(model, lora_rank: int = 16) -> pd.DataFrame:
     for name, n in cases.items():
         row = {"gradients": name, "trainable_params": int(n), "MiB_per_step_fp32": n * 4 / 2**20}
         for gbit in (1, 10, 100):
-            row[f"ms_at_{gbit}_Gbit_2_ranks"] = allreduce_cost(n, 4, 2, gbit) * 1e3
+            row[f"ms_at_{gbit}_Gbit_2_ranks"] = scaling_table.allreduce_cost(n, 4, 2, gbit) * 1e3
         rows.append(row)
     return pd.DataFrame(rows).set_index("gradients")
 
 
 def cost_model_table(job, world_size: int, latency_s: float, busbw_bytes_per_s: float) -> pd.DataFrame:
     """The hook-on run's calls, bytes, transfer and wait per step against the latency-bandwidth model."""
-    from distlab.results import scaling_table  # deferred: as in step_split
-
     c = scaling_table.comm_split(job.log)
     m = scaling_table.allreduce_model(c["comm_calls"], c["comm_bytes"], world_size, latency_s, busbw_bytes_per_s)
     return pd.Series({
@@ -375,12 +368,9 @@ def cost_model_table(job, world_size: int, latency_s: float, busbw_bytes_per_s: 
 def adapter_accuracy(job, model, keyfact_rows) -> dict:
     """Score a DDP run's saved adapter as chapter 01 scores its own: {"summary": Series, "answers": DataFrame
     (the first two held-out answers and the facts they miss)}."""
-    from distlab.generate import adapter_keyfact_accuracy  # deferred: generation loads peft
-    from distlab.results.scaling_table import run_summary
-
     learned = adapter_keyfact_accuracy(job.output_dir / "model", model=model, max_new_tokens=160, limit=keyfact_rows)
     summary = pd.Series({"seconds": round(job.result.elapsed_s),
-                         "final training loss": run_summary(job.log)["final_loss"],
+                         "final training loss": scaling_table.run_summary(job.log)["final_loss"],
                          "held-out answers": len(learned["rows"]), "facts asked": learned["asked"],
                          "facts found": learned["found"], "key-fact accuracy": learned["accuracy"]})
     return {"summary": summary, "answers": pd.DataFrame(learned["answers"][:2])[["prompt", "answer", "missing"]]}

@@ -32,6 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from distlab.cli import finite_float, run_main
+
 PHASES = ("forward", "backward", "optimizer step")
 BACKWARD_OP = "autograd::engine::evaluate_function: "
 GLOO_ALLREDUCE = "gloo:all_reduce"  # the transfer, on one of gloo's worker threads
@@ -109,7 +111,7 @@ def spans_of(chrome_trace: dict) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distlab.measure.ddp_trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    parser.add_argument("--bucket-cap-mb", type=finite_float, default=1.0)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     traced_step(args.out_dir, args.bucket_cap_mb)
@@ -117,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)
