@@ -9,6 +9,11 @@ hits both alike; the median of each one's tokens_per_s is compared, and the spre
 printed with it. Chapter 02 calls the same `measure`, so the two agree by construction. Every number is a column of
 distlab.results.schema (steady state after schema.WARMUP_STEPS, the slowest rank's step time):
 scaling_efficiency = tokens_per_s(2) / (2 x tokens_per_s(1)).
+
+Throughput is measured with the timing hook OFF (`measure_comm` False): the hook
+(distlab.measure.comm.CommTimer) waits for every bucket's all-reduce, which removes the overlap of
+communication with backward that DDP's speed relies on. Where a step's time goes (compute, waiting for
+the slower rank, the transfer) is measured by `breakdown`, in separate runs with the hook on.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from distlab.launch.local import alternating_rounds
 from distlab.results import scaling_table, schema
 
 # What both chapter 02 and this benchmark run: the chapter adds its model/device parameters on top.
+# No timing hook in a throughput run (see the module docstring).
 SETUP = {"strategy": "ddp", "micro_batch_size": 2, "global_batch_size": 8, "logging_steps": 1,
-         "eval_at_start": False, "eval_at_end": False, "save_model": False, "lora_dropout": 0.0}
+         "eval_at_start": False, "eval_at_end": False, "save_model": False, "lora_dropout": 0.0,
+         "measure_comm": False}
 
 
 def measure(steps: int = 40, rounds: int = 3, world_sizes=(1, 2), overrides: dict | None = None,
@@ -33,12 +40,27 @@ def measure(steps: int = 40, rounds: int = 3, world_sizes=(1, 2), overrides: dic
     if steps <= schema.WARMUP_STEPS:
         raise ValueError(f"--steps {steps}: the first {schema.WARMUP_STEPS} steps are warm-up; run more")
     setup = {**SETUP, **(overrides or {}), "max_steps": steps}
+    if setup["measure_comm"]:
+        raise ValueError("throughput is measured with the timing hook off (measure_comm False); "
+                         "use breakdown() for the compute / communication split")
     if runs_dir is None:
         runs_dir = Path(tempfile.mkdtemp(prefix="ddp_scaling_"))
     jobs = alternating_rounds("ddp_scaling", list(world_sizes), setup, rounds, runs_dir=runs_dir,
                               timeout_s=timeout_s, progress=progress)
     table = scaling_table.scaling_over_rounds({k: [job.log for job in js] for k, js in jobs.items()})
     return table, jobs
+
+
+def breakdown(steps: int = 40, world_sizes=(1, 2), overrides: dict | None = None, runs_dir: Path | None = None,
+              timeout_s: int = 900, progress=print):
+    """{world size: job}: one run per world size with the timing hook on (compute, wait, transfer per step:
+    distlab.results.scaling_table.comm_split). Separate from `measure`: the hook serialises communication."""
+    setup = {**SETUP, **(overrides or {}), "max_steps": steps, "measure_comm": True}
+    if runs_dir is None:
+        runs_dir = Path(tempfile.mkdtemp(prefix="ddp_breakdown_"))
+    jobs = alternating_rounds("ddp_breakdown", list(world_sizes), setup, 1, runs_dir=runs_dir,
+                              timeout_s=timeout_s, progress=progress)
+    return {k: js[0] for k, js in jobs.items()}
 
 
 def main(argv=None) -> int:
@@ -54,7 +76,7 @@ def main(argv=None) -> int:
     two = table.set_index("world_size").loc[2]
     print(f"speedup {two['speedup']:.2f}, scaling_efficiency {two['scaling_efficiency']:.2f} "
           f"(pairings of rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; "
-          f"target >= 0.90; warm-up: first {schema.WARMUP_STEPS} steps left out)")
+          f"target >= 0.90; warm-up: first {schema.WARMUP_STEPS} steps left out; timing hooks off)")
     return 0
 
 

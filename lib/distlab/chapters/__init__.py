@@ -8,7 +8,8 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         latency-bandwidth model and the library's sweep, the sweep's figure and phases
   ch01  one device: the optimizer step drawn, the hand-written loop's check against distlab.train, MFU
         beside HFU, key-fact tables, and a real step's memory against the planner (measure_training_memory)
-  ch02  DDP: where a step's time goes per world size (compute, transfer, waiting), drawn
+  ch02  DDP: the idea drawn, scripts under torchrun, a traced step (buckets, overlap with backward), where a
+        step's time goes (compute, transfer, waiting), the fault demo's timeline with its kill and restart
   ch03  FSDP and ZeRO: planned bytes per rank as stacked bars against card capacities
   ch04  pipeline training: the bubble sweeps over micro-batches and schedules, the study's table rows, and
         the timeline plots (the bubble's theory and reading of a timeline: distlab.measure.bubble)

@@ -5,6 +5,7 @@
   monitor         a device-utilisation timeline (GPU util, or CPU % and RSS) around any run  ch. 00
   meter           the one meter the training loop reads, and the hooks strategies call        ch. 02
   comm            communication time: DDP's comm hook, every torch.distributed collective    ch. 02-03
+  ddp_trace       one DDP step under torch.profiler: bucket all-reduces against backward      ch. 02
   state           bytes of weights, adapters, gradients, optimizer state a rank really holds ch. 01, 03
   pipeline_trace  per-micro-batch timeline of both pipelines, transfers, activation memory   ch. 04
   bubble          the bubble in theory and as read from a recorded timeline (pure functions) ch. 04

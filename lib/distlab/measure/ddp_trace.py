@@ -1,0 +1,122 @@
+"""One DDP training step traced with torch.profiler: when each gradient bucket's all-reduce runs,
+against the backward pass that produces the gradients (chapter 02).
+
+    torchrun --standalone --nproc-per-node 2 -m distlab.measure.ddp_trace OUT_DIR [--bucket-cap-mb 1]
+
+Every rank fine-tunes all weights of the tiny model (its gradients are big enough to fill several
+buckets), runs two untraced steps (DDP rebuilds its buckets in the order gradients became ready during
+the first), then traces one step with CPU activities and writes OUT_DIR/rank<r>.json:
+
+* `spans`: the step's phases (forward, backward, optimizer step: record_function markers on the
+  training thread), every autograd op of the backward pass, and every gloo all-reduce, each with the
+  thread it ran on, in ms from the step's start. torch 2.13 records a bucket's all-reduce twice:
+  `c10d::allreduce_` on the training thread, which only hands the bucket to gloo and returns, and
+  `gloo:all_reduce` on one of gloo's worker threads, the transfer itself.
+* `buckets`: DDP's bucket assignment, as a comm hook saw it on the traced step: bucket index -> the
+  parameters in it (DDP fills buckets in reverse order of the parameters, the order backward
+  produces their gradients) and its bytes.
+
+No timing hook is installed around the all-reduces (the recording hook only notes which parameters a
+bucket holds and hands the bucket to DDP's own asynchronous all-reduce), so the overlap is DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from distlab.cli import finite_float, run_main
+
+PHASES = ("forward", "backward", "optimizer step")
+BACKWARD_OP = "autograd::engine::evaluate_function: "
+GLOO_ALLREDUCE = "gloo:all_reduce"  # the transfer, on one of gloo's worker threads
+ALLREDUCE_CALL = "c10d::allreduce_"  # the training thread handing a bucket to gloo (returns at once)
+
+
+def traced_step(out_dir: Path, bucket_cap_mb: float, rows: int = 2, seq_len: int = 128) -> dict:
+    from distlab.models import load_model  # deferred: transformers is slow to import
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # each rank its own rows
+    model = DDP(load_model(None), bucket_cap_mb=bucket_cap_mb)
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    buckets: dict[int, dict] = {}
+
+    def note_bucket(state, bucket):
+        buckets[bucket.index()] = {"params": [names[id(p)] for p in bucket.parameters()],
+                                   "bytes": bucket.buffer().numel() * bucket.buffer().element_size()}
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, note_bucket)
+    batch = torch.randint(0, model.module.config.vocab_size, (rows, seq_len))
+
+    def step():
+        with record_function("forward"):
+            loss = model(input_ids=batch, labels=batch).loss
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer step"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up; DDP rebuilds its buckets after the first step
+        step()
+    buckets.clear()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("step"):
+            step()
+    trace = out_dir / f"rank{rank}.trace.json"
+    prof.export_chrome_trace(str(trace))
+    result = {"rank": rank, "bucket_cap_mb": bucket_cap_mb, "spans": spans_of(json.loads(trace.read_text())),
+              "buckets": [{"index": i, **buckets[i]} for i in sorted(buckets)]}
+    trace.unlink()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return result
+
+
+def spans_of(chrome_trace: dict) -> list[dict]:
+    """The step's phases, backward ops and all-reduces from a chrome trace, in ms from the step's start."""
+    events = [e for e in chrome_trace.get("traceEvents", []) if e.get("ph") == "X"]
+    step = next(e for e in events if e["name"] == "step")
+    out = []
+    for e in events:
+        name = e["name"]
+        if name in PHASES:
+            kind = "phase"
+        elif name.startswith(BACKWARD_OP):
+            kind, name = "backward op", name[len(BACKWARD_OP):]
+        elif name == GLOO_ALLREDUCE:
+            kind = "all-reduce"
+        elif name == ALLREDUCE_CALL:
+            kind = "all-reduce call"
+        else:
+            continue
+        start = (e["ts"] - step["ts"]) / 1e3
+        out.append({"kind": kind, "name": name, "thread": e["tid"], "start_ms": start,
+                    "end_ms": start + e["dur"] / 1e3})
+    return sorted(out, key=lambda s: s["start_ms"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distlab.measure.ddp_trace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--bucket-cap-mb", type=finite_float, default=1.0)
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    traced_step(args.out_dir, args.bucket_cap_mb)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
