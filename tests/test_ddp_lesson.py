@@ -90,18 +90,12 @@ def test_the_fault_timeline_leaves_out_the_shell_wrappers_and_marks_events(tmp_p
              (101.0, "[default0]:[distlab] resumed from x (step 4)")]
     marks = ch02.line_times(lines, "SIGKILL", "resumed from", "never printed")
     assert marks == {"SIGKILL": 100.2, "resumed from": 101.0, "never printed": None}
-    import matplotlib.pyplot as plt
-
-    legends = []
-    real_close = plt.close
-    plt.close = lambda fig: (legends.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts()),
-                             real_close(fig))
-    try:
-        ch02.plot_fault_timeline(csv, tmp_path / "fault.png", STAMP, 100.0, {"killed": 100.2, "resumed": 101.0,
-                                                                            "missing": None}, "t")
-    finally:
-        plt.close = real_close
-    assert legends == ["torchrun agent (pid 12)", "rank 1 (pid 13)", "killed", "resumed"]
+    fig = ch02.plot_fault_timeline(csv, tmp_path / "fault.png", STAMP, 100.0,
+                                   {"killed": 100.2, "resumed": 101.0, "missing": None}, "t")
+    strip, util, _ = fig.axes
+    assert [t.get_text() for t in util.get_legend().get_texts()] == ["torchrun (pid 12)", "rank 1 (pid 13)"]
+    assert [t.get_text() for t in strip.texts] == ["killed", "resumed"]
+    assert sorted(round(line.get_xdata()[0], 3) for line in util.lines if line.get_linestyle() == "--") == [0.2, 1.0]
 
 
 def test_throughput_runs_carry_no_timing_hook_and_the_breakdown_does(tmp_path, monkeypatch):

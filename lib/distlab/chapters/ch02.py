@@ -18,6 +18,7 @@ from distlab import paths
 from distlab.config import LORA_TARGETS
 from distlab.generate import adapter_keyfact_accuracy
 from distlab.launch.process import run
+from distlab.measure import utilisation
 from distlab.metrics import read_log
 from distlab.planning import memory
 from distlab.provenance import save_figure
@@ -246,33 +247,12 @@ def line_times(lines: Sequence[tuple[float, str]], *markers: str) -> dict[str, f
 
 
 def plot_fault_timeline(csv_path: str | Path, out_png: str | Path, provenance: dict, t0: float,
-                        events: Mapping[str, float | None], title: str) -> Path:
+                        events: Mapping[str, float | None], title: str):
     """CPU % and RSS of the killed run's Python processes (ranks, torchrun's agent) from the utilisation
     sampler's CSV; the shell wrappers (bash, `timeout`, under WRAPPER_MAX_MIB) are left out. `events`
     ({label: wall-clock time}, `t0` the sampler's start) are drawn as vertical lines."""
-    df = pd.read_csv(csv_path, dtype={"id": str})
-    fig, (ax_util, ax_mem) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    for ident, g in df.groupby("id", sort=False):
-        if g["mem_mib"].max() < WRAPPER_MAX_MIB:
-            continue
-        label = g["label"].iloc[0].replace("torchrun", "torchrun agent")
-        ax_util.plot(g["t_s"], g["util_pct"], ".-", label=label)
-        ax_mem.plot(g["t_s"], g["mem_mib"], ".-")
-    for i, (name, when) in enumerate(events.items()):
-        if when is None:
-            continue
-        for ax in (ax_util, ax_mem):
-            ax.axvline(when - t0, color=("C3", "C2", "k")[i % 3], ls="--", lw=1.2,
-                       label=name if ax is ax_util else None)
-    ax_util.set(ylabel="CPU % (100 = 1 core)", title=title)
-    ax_mem.set(ylabel="RSS MiB", xlabel="seconds since the sampler started")
-    ax_util.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    for ax in (ax_util, ax_mem):
-        ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    out = save_figure(fig, out_png, dict(provenance))
-    plt.close(fig)
-    return out
+    marks = [(when - t0, name) for name, when in events.items() if when is not None]
+    return utilisation.plot_utilization(csv_path, out_png, provenance, title, events=marks, min_mib=WRAPPER_MAX_MIB)
 
 
 class LineClock:

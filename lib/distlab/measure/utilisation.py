@@ -287,8 +287,12 @@ LABEL_PITCH_IN = 0.13  # horizontal room one rotated label of the phase strip ne
 
 
 def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
-                     title: str | None = None, *, spans: Sequence[Span] = (), events: Sequence[Event] = ()):
+                     title: str | None = None, *, spans: Sequence[Span] = (), events: Sequence[Event] = (),
+                     min_mib: float = 0.0):
     """Utilisation (top) and memory (bottom) over time, one line per GPU or process.
+
+    `min_mib` leaves out the processes whose memory never exceeds it: the shell wrappers (bash, `timeout`)
+    that only wait for their child would otherwise show as idle lines beside the real work.
 
     `spans` shades the phases of a run on both plots and `events` draws a dashed line at each instant,
     both in the CSV's clock (seconds since the sampler started: UtilizationSampler.since_start converts
@@ -297,6 +301,8 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
     from matplotlib.figure import Figure
 
     df = pd.read_csv(csv_path, dtype={"id": str})
+    if min_mib:
+        df = df[df.groupby(["source", "id"])["mem_mib"].transform("max") > min_mib]
     labels = [s[2] for s in spans] + [e[1] for e in events]
     strip_in = 0.3 + 0.075 * max((len(text) for text in labels), default=0)  # upright labels: their length
     fig = Figure(figsize=(7, 5 + (strip_in if labels else 0)))
