@@ -113,6 +113,29 @@ def test_throughput_runs_carry_no_timing_hook_and_the_breakdown_does(tmp_path, m
     assert seen == [(1, True), (2, True)] and sorted(jobs) == [1, 2]
 
 
+def test_the_ceiling_runs_one_rank_alone_then_two_at_once(tmp_path, monkeypatch):
+    import threading
+
+    tokens = {"alone": 100.0, "pair": 90.0}
+    running, peak = [], []
+    lock = threading.Lock()
+
+    def fake_launch(name, k, overrides, timeout_s, runs_dir, echo):
+        assert k == 1 and overrides["measure_comm"] is False
+        with lock:
+            running.append(name)
+            peak.append(len(running))
+        threading.Event().wait(0.05)  # long enough for the pair's two threads to overlap
+        with lock:
+            running.remove(name)
+        return SimpleNamespace(log=tokens["alone" if "alone" in name else "pair"])
+
+    monkeypatch.setattr(ddp_scaling, "launch_training", fake_launch)
+    monkeypatch.setattr(ddp_scaling.scaling_table, "run_summary", lambda log: {"tokens_per_s": log})
+    table = ddp_scaling.ceiling(steps=5, rounds=2, runs_dir=tmp_path, progress=None)
+    assert table["ceiling"].tolist() == [0.9, 0.9] and max(peak) == 2  # the pair ran at the same time
+
+
 def test_the_torchrun_result_line_is_read_back():
     run = SimpleNamespace(tail=["noise", "[default0]:RESULT " + json.dumps({"max_param_diff": 0.0}), "exit"])
     assert ch02.result_line(run) == {"max_param_diff": 0.0}

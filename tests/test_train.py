@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from distlab.batching import StepBatches
 from distlab.config import TrainConfig, load_config
@@ -133,3 +134,15 @@ def test_variants_need_their_own_output_dirs(tmp_path):
     with pytest.raises(ValueError, match=r"--variant 1:\d+: invalid YAML"):
         variant_configs(config, {}, ["{output_dir: [unclosed"])
     assert len(variant_configs(config, {}, [])) == 1
+
+
+def test_measuring_the_peak_leaves_the_runs_random_numbers_alone():
+    """The trainer measures its MFU peak between seeding a run and its first step (on a cold cache): the
+    measurement must not draw from the global generator, or the run's dropout would depend on the cache."""
+    from distlab.device import measure_matmul_flops
+
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    assert measure_matmul_flops("cpu", n=64, seconds=0.01) > 0
+    assert torch.equal(torch.rand(3), expected)

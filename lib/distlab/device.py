@@ -115,11 +115,15 @@ def _dtype_key(dtype: torch.dtype) -> str:
 
 def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                          n: int | None = None, seconds: float = 1.0) -> float:
-    """Achieved FLOP/s of an n x n matmul, repeated for about `seconds`, best of three rounds."""
+    """Achieved FLOP/s of an n x n matmul, repeated for about `seconds`, best of three rounds.
+
+    Its random operands come from a generator of its own: the trainer measures its peak between seeding a
+    run and its first step, and drawing from the global generator there would change the run's dropout."""
     device = torch.device(device)
     n = n or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.matmul(a, b)
     sync()

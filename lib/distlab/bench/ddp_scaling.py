@@ -14,16 +14,23 @@ Throughput is measured with the timing hook OFF (`measure_comm` False): the hook
 (distlab.measure.comm.CommTimer) waits for every bucket's all-reduce, which removes the overlap of
 communication with backward that DDP's speed relies on. Where a step's time goes (compute, waiting for
 the slower rank, the transfer) is measured by `breakdown`, in separate runs with the hook on.
+
+`ceiling` measures what the machine itself allows two ranks: two independent one-rank runs at once
+against one alone. Efficiency below 1 that the ceiling already shows is the machine's (two cores sharing
+memory bandwidth and caches), not DDP's; the rest is what DDP costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pandas as pd
+
 from distlab.cli import run_main
-from distlab.launch.local import alternating_rounds
+from distlab.launch.local import alternating_rounds, launch_training
 from distlab.results import scaling_table, schema
 
 # What both chapter 02 and this benchmark run: the chapter adds its model/device parameters on top.
@@ -63,6 +70,33 @@ def breakdown(steps: int = 40, world_sizes=(1, 2), overrides: dict | None = None
     return {k: js[0] for k, js in jobs.items()}
 
 
+def ceiling(steps: int = 40, rounds: int = 3, overrides: dict | None = None, runs_dir: Path | None = None,
+            timeout_s: int = 900, progress=print) -> pd.DataFrame:
+    """What this machine allows two ranks before any communication: `rounds` alternating rounds of a
+    one-rank run alone and of two independent one-rank runs at once (two torchruns, no process group
+    between them, nothing exchanged). Per round, `ceiling` = the pair's mean tokens/s / the lone run's:
+    the scaling efficiency two DDP ranks would reach if communication and waiting cost nothing. It is
+    below 1 where the two cores share what one run had alone (memory bandwidth, caches, a hypervisor)."""
+    setup = {**SETUP, **(overrides or {}), "max_steps": steps, "measure_comm": False}
+    if runs_dir is None:
+        runs_dir = Path(tempfile.mkdtemp(prefix="ddp_ceiling_"))
+
+    def tokens_per_s(name: str) -> float:
+        job = launch_training(name, 1, setup, timeout_s=timeout_s, runs_dir=runs_dir, echo=False)
+        return scaling_table.run_summary(job.log)["tokens_per_s"]
+
+    rows = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for r in range(1, rounds + 1):
+            alone = tokens_per_s(f"ceiling_alone_r{r}")
+            pair = list(pool.map(tokens_per_s, (f"ceiling_pair_a_r{r}", f"ceiling_pair_b_r{r}")))
+            rows.append({"round": r, "alone_tokens_per_s": alone, "together_tokens_per_s": sum(pair) / 2,
+                         "ceiling": sum(pair) / 2 / alone})
+            if progress:
+                progress(f"round {r}/{rounds}: one run alone, then two at once: ceiling {rows[-1]['ceiling']:.2f}")
+    return pd.DataFrame(rows).set_index("round")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distlab.bench.ddp_scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -70,6 +104,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         table, _ = measure(args.steps, args.rounds, runs_dir=Path(tmp))
+        bound = ceiling(args.steps, args.rounds, runs_dir=Path(tmp) / "ceiling")["ceiling"]
     for row in table.to_dict("records"):
         print(f"world_size {int(row['world_size'])}: median tokens_per_s {row['tokens_per_s']:.0f} "
               f"(rounds {row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f})")
@@ -77,6 +112,9 @@ def main(argv=None) -> int:
     print(f"speedup {two['speedup']:.2f}, scaling_efficiency {two['scaling_efficiency']:.2f} "
           f"(pairings of rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; "
           f"target >= 0.90; warm-up: first {schema.WARMUP_STEPS} steps left out; timing hooks off)")
+    print(f"ceiling {bound.median():.2f} (rounds {bound.min():.2f}-{bound.max():.2f}): two independent 1-rank runs at "
+          f"once against one alone, the efficiency 2 ranks reach with no communication on this machine; DDP "
+          f"reaches {two['scaling_efficiency'] / bound.median():.2f} of it")
     return 0
 
 
