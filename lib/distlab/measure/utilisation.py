@@ -333,9 +333,8 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
             ax.axvspan(t0, t1, color=colour, alpha=alpha, lw=0)
         marks.append(((t0 + t1) / 2, text, "black"))
     for t, text in events:
-        for ax in (ax_strip, ax_util, ax_mem):
-            if ax is not None:
-                ax.axvline(t, color="crimson", ls="--", lw=1)
+        for ax in (ax_util, ax_mem):  # not in the strip: there the event's label stands at its time
+            ax.axvline(t, color="crimson", ls="--", lw=1)
         marks.append((t, text, "crimson"))
     fig.tight_layout()
     if marks:

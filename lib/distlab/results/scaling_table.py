@@ -107,7 +107,9 @@ def save_scaling(df: pd.DataFrame, figures_dir: str | Path, provenance: dict, pr
     ax2.errorbar(df["world_size"], df["scaling_efficiency"], yerr=eff_err, fmt="o-", color="C1", capsize=4)
     ax2.axhline(1.0, color="0.6", ls="--", lw=1)
     ax2.set_xticks(df["world_size"])
-    ax2.set(ylim=(0, 1.25), xlabel="world size (ranks)", ylabel="efficiency = speedup / k", title="scaling efficiency")
+    eff_top = max(1.25, float(df["scaling_efficiency_max"].max()) * 1.08) if spread else 1.25  # no bar clipped
+    ax2.set(ylim=(0, eff_top), xlabel="world size (ranks)", ylabel="efficiency = speedup / k",
+            title="scaling efficiency")
     fig.tight_layout()
     out.append(save_figure(fig, figures_dir / f"{prefix}_plot.png", provenance))
     plt.close(fig)
