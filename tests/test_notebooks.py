@@ -4,6 +4,7 @@ Book build, and every page checked in headless Chromium. Writes only to a tempor
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,8 @@ def test_book_builds_and_every_page_loads_in_a_browser(executed):
         pytest.fail(f"headless chromium is required for the site check: {why}")
     # Pages with maths must render offline: MathJax comes from npm once (make book does the same).
     assert mathjax.find_mathjax() or mathjax.fetch_mathjax(), "could not install MathJax from npm"
+    for table in paths.FIGURES_DIR.glob("bench_*"):  # the appendix's tables: `make benchmarks`, not a notebook
+        shutil.copy(table, figures / table.name)
     built = book_build.build(paths.BOOK_DIR, root / "_build", figures_dir=figures, notebooks_dir=out,
                        summary_path=work / "summary.json")
     report = site_check.check_site(built.html_dir, chromium=chromium)
