@@ -5,8 +5,9 @@ standard way to say so is a block-diagonal causal mask, and SDPA then computes e
 against every key of the row (256 x 256 here) and throws most of it away. Computing each
 document's causal attention on its own slice does only the useful part: for three ~85-token
 documents in a 256-token row, a third of the work. This is what flash-attention's varlen
-kernels do on GPUs (with `cu_seqlens`); here it is a loop of SDPA calls with `is_causal=True`,
-which any device runs.
+kernels do on GPUs (with `cu_seqlens`). On CUDA it is exactly that: PyTorch's flash-attention
+varlen kernel (`torch.nn.attention.varlen.varlen_attn`) over the whole micro-batch in one call.
+Elsewhere it is a loop of SDPA calls with `is_causal=True`, which any device runs.
 
     load_model(..., attn_implementation=VARLEN)   # or TrainConfig(attn_implementation="varlen")
 
@@ -19,6 +20,8 @@ fallback is always exact.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +72,9 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
-    spans = document_spans(position_ids.expand(query.shape[0], -1))
+    spans = _spans_for(position_ids.expand(query.shape[0], -1))
+    if query.is_cuda and dropout_p == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and _flash_varlen:
+        return _flash_varlen(query, key, value, spans, scaling)
     if all(len(row) == 1 for row in spans):  # one document per row: a single causal call
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=scaling, is_causal=True)
     else:
@@ -81,6 +86,46 @@ def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
                                    for s, e in row], dim=2))
         out = torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+try:  # PyTorch >= 2.10: flash-attention's variable-length kernel
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # older PyTorch: the SDPA loop everywhere
+    _varlen_attn = None
+
+_VARLEN_PARAMETERS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+# PyTorch 2.10 says causal with is_causal=True; later versions with a (left, right) window, (-1, 0)
+_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
+_VARLEN_TAKES_SCALE = "scale" in _VARLEN_PARAMETERS
+_last_spans: tuple = (None, None)  # (position_ids, spans) of the forward in progress
+
+
+def _spans_for(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """document_spans, read from the device once per forward: every layer gets the same position-id
+    tensor, and each reading waits for the GPU to catch up with the host."""
+    global _last_spans
+    if _last_spans[0] is not position_ids:
+        _last_spans = (position_ids, document_spans(position_ids))
+    return _last_spans[1]
+
+
+def _flash_varlen_call(query, key, value, spans, scaling):
+    """All documents of the micro-batch in one flash-attention varlen call: the rows are laid end to
+    end as one (tokens, heads, dim) sequence and `cu_seq` marks where each document starts."""
+    batch, heads, seq, dim = query.shape
+    starts = [b * seq + s for b, row in enumerate(spans) for s, _ in row] + [batch * seq]
+    longest = max(e - s for row in spans for s, e in row)
+    cu_seq = torch.tensor(starts, dtype=torch.int32).to(query.device, non_blocking=True)
+
+    def flat(t):  # (batch, heads, seq, dim) -> (batch * seq, heads, dim)
+        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim)
+
+    scale = {"scale": scaling} if _VARLEN_TAKES_SCALE else {}  # 2.10 had none: always 1/sqrt(dim), Qwen2's too
+    out = _varlen_attn(flat(query), flat(key), flat(value), cu_seq, cu_seq, longest, longest, **scale, **_CAUSAL)
+    return out.view(batch, seq, heads, dim), None
+
+
+_flash_varlen = _flash_varlen_call if _varlen_attn is not None else None
 
 
 def register() -> None:

@@ -68,6 +68,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | auto-bf16 | fp32 | bf16-autocast | bf16 | fp16-autocast (distlab.device.choose_device)
     activation_checkpointing: bool = False
+    fused_optimizer: bool = False  # AdamW as one fused kernel per step (CUDA): no per-tensor launches
+    compile: bool = False  # torch.compile each decoder layer (one compiled graph serves them all)
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
     measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)

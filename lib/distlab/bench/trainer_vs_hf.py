@@ -48,7 +48,7 @@ def _common(args):
     torch.set_num_threads(1)
     cfg = TrainConfig(max_steps=args.steps, micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                       lr=2e-3, warmup_steps=5, eval_file=None, save_model=False, progress=False, logging_steps=1,
-                      dtype=DISTLAB_DTYPE)
+                      dtype=DISTLAB_DTYPE, device=args.device, model=args.model)
     tokenizer = load_tokenizer(cfg.model)
     examples, _ = tokenize_conversations(load_jsonl(cfg.train_file), tokenizer, cfg.seq_len)
     return cfg, tokenizer, examples
@@ -113,8 +113,8 @@ def run_hf_trainer(args, bf16: bool = False) -> dict:
                                   max_steps=cfg.max_steps, learning_rate=cfg.lr, lr_scheduler_type="cosine",
                                   warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
                                   max_grad_norm=cfg.max_grad_norm, logging_steps=cfg.max_steps, save_strategy="no",
-                                  report_to=[], use_cpu=True, dataloader_num_workers=0, seed=cfg.seed,
-                                  disable_tqdm=True, bf16=bf16)
+                                  report_to=[], use_cpu=args.device == "cpu", dataloader_num_workers=0,
+                                  seed=cfg.seed, disable_tqdm=True, bf16=bf16)
         Trainer(model=_hf_model(cfg), args=targs, train_dataset=rows, data_collator=clock,
                 callbacks=[clock.callback]).train()
     return {"tokens_per_s": _throughput(clock.times, clock.tokens, args.warmup), "steps": len(clock.times)}
@@ -131,7 +131,7 @@ def run_trl(args) -> dict:
         targs = SFTConfig(output_dir=tmp, per_device_train_batch_size=cfg.micro_batch_size, max_steps=cfg.max_steps,
                           learning_rate=cfg.lr, lr_scheduler_type="cosine", warmup_steps=cfg.warmup_steps,
                           weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                          logging_steps=cfg.max_steps, save_strategy="no", report_to=[], use_cpu=True,
+                          logging_steps=cfg.max_steps, save_strategy="no", report_to=[], use_cpu=args.device == "cpu",
                           dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True,
                           packing=True, max_length=cfg.seq_len)
         trainer = SFTTrainer(model=_hf_model(cfg), args=targs, train_dataset=data, processing_class=tokenizer)
@@ -230,7 +230,7 @@ WORKERS = {"distlab": run_distlab, "hf_trainer": run_hf_trainer,
 
 
 def compare(steps: int = 40, warmup: int = 5, rounds: int = 2, micro_batch_size: int = 4, seq_len: int = 256,
-            frameworks=FRAMEWORKS, timeout_s: float = 600, echo=False):
+            frameworks=FRAMEWORKS, timeout_s: float = 600, echo=False, device: str = "cpu", model: str | None = None):
     """Run every framework `rounds` times (alternating) and return a DataFrame of medians and ratios."""
 
 
@@ -241,7 +241,8 @@ def compare(steps: int = 40, warmup: int = 5, rounds: int = 2, micro_batch_size:
                 out = Path(tmp) / "result.json"
                 run(python_module_cmd("distlab.bench.trainer_vs_hf", "--worker", name, "--result", str(out),
                                       "--steps", str(steps), "--warmup", str(warmup),
-                                      "--micro-batch-size", str(micro_batch_size), "--seq-len", str(seq_len)),
+                                      "--micro-batch-size", str(micro_batch_size), "--seq-len", str(seq_len),
+                                      "--device", device, *(["--model", model] if model else [])),
                     timeout_s=timeout_s, env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
                     echo=echo)
                 res = json.loads(out.read_text())
@@ -268,6 +269,8 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    parser.add_argument("--device", default="cpu", help="cpu (one thread per run) or cuda")
+    parser.add_argument("--model", help="a random preset, HF id or folder (default: the offline tiny Qwen2)")
     parser.add_argument("--csv", help="also save the framework table here (with a provenance sidecar)")
     parser.add_argument("--out", metavar="DIR",
                         help=f"save both tables in DIR with provenance sidecars: {FRAMEWORK_TABLE} and, after "
@@ -279,7 +282,8 @@ def main(argv=None) -> int:
     if args.worker:
         Path(args.result).write_text(json.dumps(WORKERS[args.worker](args)))
         return 0
-    df = compare(args.steps, args.warmup, args.rounds, args.micro_batch_size, args.seq_len, args.frameworks)
+    df = compare(args.steps, args.warmup, args.rounds, args.micro_batch_size, args.seq_len, args.frameworks,
+                 device=args.device, model=args.model)
     print(df.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     for name in df["framework"]:
         if name != "distlab":
@@ -290,8 +294,10 @@ def main(argv=None) -> int:
                 print(f"goal: distlab >= {GOAL_VS_HF_TRAINER}x HF Trainer (stock, fp32): "
                       f"{'met' if ratio >= GOAL_VS_HF_TRAINER else 'NOT met'}")
     arguments = {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-                 "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "frameworks": args.frameworks}
-    run_stamp = {**benchmark_provenance(arguments), **stamp("distlab-tiny", 1, threads_per_rank=1)}
+                 "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "frameworks": args.frameworks,
+                 **({"device": args.device} if args.device != "cpu" else {}),
+                 **({"model": args.model} if args.model else {})}
+    run_stamp = {**benchmark_provenance(arguments), **stamp(args.model or "distlab-tiny", 1, threads_per_rank=1)}
     if args.csv:
         save_table(df, args.csv, run_stamp)
     if args.out:

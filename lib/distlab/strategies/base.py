@@ -42,6 +42,18 @@ def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def compile_layers(model: torch.nn.Module) -> int:
+    """torch.compile every transformer block in place; the number compiled.
+
+    Compiling block by block (as torchtitan does) rather than the whole model keeps compile time
+    to one block's graph, which every identical block then reuses, and leaves the loss and anything
+    that breaks a graph (document boundaries read on the host) in eager mode."""
+    blocks = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 class Strategy:
     """Hooks the training loop calls. Subclasses override what their parallelism changes."""
 
@@ -76,8 +88,10 @@ class Strategy:
     def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
         """(model, optimizer, scheduler) ready to train. Strategies whose engine owns the
         optimizer (DeepSpeed) override this; the others override wrap_model only."""
+        if getattr(cfg, "compile", False):
+            compile_layers(model)
         model = self.wrap_model(model, choice)
-        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay)
+        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay, fused=getattr(cfg, "fused_optimizer", False))
         return model, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
@@ -86,13 +100,17 @@ class Strategy:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """AdamW over trainable weights; no decay on vectors (norms, biases), as is standard."""
+    def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float,
+                       fused: bool = False) -> torch.optim.Optimizer:
+        """AdamW over trainable weights; no decay on vectors (norms, biases), as is standard.
+
+        `fused`: one kernel updates every tensor (CUDA); the default launches a few per tensor group."""
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                 **({"fused": True} if fused else {}))
 
     # --- one optimizer step
     def train_step(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice, global_label_tokens: int,
