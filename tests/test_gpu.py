@@ -24,7 +24,7 @@ def test_flash_varlen_equals_document_by_document_sdpa_forward_and_backward():
     grad_out = torch.randn(2, 228, 4, 64, generator=gen, dtype=torch.float64)
 
     def run(device, dtype):
-        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(device, dtype).clone().requires_grad_() for t in (q, k, v)]
         out, _ = attention._varlen(*leaves, position_ids.to(device), 0.0, 64 ** -0.5)
         out.backward(grad_out.to(device, dtype))
         return [out.detach().double().cpu()] + [t.grad.double().cpu() for t in leaves]
@@ -32,6 +32,9 @@ def test_flash_varlen_equals_document_by_document_sdpa_forward_and_backward():
     reference = run("cpu", torch.float64)
     for got, want in zip(run("cuda", torch.bfloat16), reference):
         assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 2e-2  # bf16 operands
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 inputs under autocast take the flash path too
+        for got, want in zip(run("cuda", torch.float32), reference):
+            assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 2e-2
 
 
 def test_train_step_runs_on_cuda_in_bf16_autocast(tmp_path):

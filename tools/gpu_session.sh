@@ -9,6 +9,7 @@
 # reported and the next one runs. Everything lands in $OUT/gpu_results.tgz.
 #
 #   OUT=build/gpu bash tools/gpu_session.sh [budget seconds, default 570]
+#   ONLY="gpu_tests mfu_ladder" LADDER_ARGS="--from-rung 4" bash tools/gpu_session.sh 240   # some steps only
 #
 # Wheels for packages the machine lacks (or has at other versions than requirements.lock) may sit in
 # .whl/ (an ignored folder); they are installed to /tmp/site and put first on PYTHONPATH.
@@ -31,6 +32,9 @@ fi
 step() {  # step NAME CAP COMMAND...: run COMMAND for at most min(CAP, time left), logged to $work/NAME.log
   local name=$1 cap=$2 left t0 rc
   shift 2
+  if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then
+    return
+  fi
   left=$(( budget - (SECONDS - start) - 10 ))
   (( left < cap )) && cap=$left
   if (( cap < 20 )); then
@@ -49,8 +53,10 @@ step environment 40 bash -c 'nvidia-smi; python3 -c "import torch, transformers,
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())
 print(\"transformers\", transformers.__version__, \"peft\", peft.__version__)"'
 step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+TAIL_LINES=40 step profile 90 python3 tools/gpu_profile_steps.py
+# shellcheck disable=SC2086  # LADDER_ARGS is a list of words
 TAIL_LINES=30 step mfu_ladder 330 python3 -m distlab.bench.mfu_ladder --steps 25 --warmup 8 --timeout 120 \
-  --out "$work"
+  --out "$work" ${LADDER_ARGS:-}
 step trainer_vs_hf 150 python3 -m distlab.bench.trainer_vs_hf --device cuda --model qwen2.5-0.5b-random \
   --steps 25 --warmup 8 --rounds 1 --csv "$work/trainer_vs_hf.csv"
 for chapter in ${CHAPTERS:-00 01}; do

@@ -73,8 +73,13 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
 def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
     spans = _spans_for(position_ids.expand(query.shape[0], -1))
-    if query.is_cuda and dropout_p == 0.0 and query.dtype in (torch.float16, torch.bfloat16) and _flash_varlen:
-        return _flash_varlen(query, key, value, spans, scaling)
+    if query.is_cuda and dropout_p == 0.0 and _flash_varlen:
+        # Flash kernels take 16-bit operands only. Under autocast the rotary embedding hands us fp32 queries
+        # (fp32 cos/sin times bf16 projections); SDPA would cast them down itself, as autocast lists it.
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+        if half in (torch.float16, torch.bfloat16):
+            out, _ = _flash_varlen(query.to(half), key.to(half), value.to(half), spans, scaling)
+            return out, None
     if all(len(row) == 1 for row in spans):  # one document per row: a single causal call
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=scaling, is_causal=True)
     else:

@@ -73,15 +73,16 @@ def run_rung(settings: dict, out_dir: Path, timeout_s: float) -> tuple[list[dict
 
 def ladder(model: str | None = "qwen2.5-0.5b-random", device: str = "cuda", dtype: str = "bf16-autocast",
            seq_len: int = 1024, steps: int = 30, warmup: int = 10, rungs: int = len(RUNGS),
-           timeout_s: float = 300) -> pd.DataFrame:
-    """Run the first `rungs` rungs one after another; a row per rung."""
+           timeout_s: float = 300, first: int = 0, save=None) -> pd.DataFrame:
+    """Run rungs `first` .. `rungs - 1` one after another (each with every change above it); a row per
+    rung. `save(table)`, if given, is called after every rung, so a ladder cut short keeps what it measured."""
     matmul_dtype = torch.bfloat16 if "bf16" in dtype else torch.float32
     measured_peak = measure_matmul_flops(device, matmul_dtype)
     sheet_peak, sheet_source = peak_flops(device, matmul_dtype)
     print(f"matmul peak measured here: {measured_peak / 1e12:.1f} TFLOP/s ({matmul_dtype}); "
           f"MFU denominator of the runs: {sheet_peak / 1e12:.1f} TFLOP/s, {sheet_source}", flush=True)
     rows = []
-    for i, (name, _) in enumerate(RUNGS[:rungs]):
+    for i, (name, _) in list(enumerate(RUNGS[:rungs]))[first:]:
         with tempfile.TemporaryDirectory() as tmp:
             steps_log, start, error = run_rung(rung_settings(model, device, dtype, seq_len, steps, i), Path(tmp),
                                                timeout_s)
@@ -103,9 +104,11 @@ def ladder(model: str | None = "qwen2.5-0.5b-random", device: str = "cuda", dtyp
                  f"{row['mfu_measured_peak']:.1%} (measured peak), {row['peak_mem_gib']:.1f} GiB"
                  if "tokens_per_s" in row else f"FAILED: {row['error']}")
         print(f"{name:<48} {shown}", flush=True)
-    table = pd.DataFrame(rows)
-    table.attrs.update(measured_peak_flops=measured_peak, data_sheet_peak_flops=sheet_peak,
-                       data_sheet_source=sheet_source)
+        table = pd.DataFrame(rows)
+        table.attrs.update(measured_peak_flops=measured_peak, data_sheet_peak_flops=sheet_peak,
+                           data_sheet_source=sheet_source)
+        if save:
+            save(table)
     return table
 
 
@@ -119,23 +122,30 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per rung, warm-up included")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median (compilation, caches)")
     parser.add_argument("--rungs", type=int, default=len(RUNGS), help="run only the first N rungs")
+    parser.add_argument("--from-rung", type=int, default=0, help="start at this rung (0-based; it keeps the changes "
+                        "above it)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per rung before it is killed")
     parser.add_argument("--out", metavar="DIR", help=f"save {TABLE} here with a provenance sidecar")
     args = parser.parse_args(argv)
     model = None if args.model == "null" else args.model
-    table = ladder(model, args.device, args.dtype, args.seq_len, args.steps, args.warmup, args.rungs, args.timeout)
+    arguments = {k: v for k, v in vars(args).items() if k != "out"}
+
+    def save(table):
+        provenance = {**stamp(model or "distlab-tiny", 1), "benchmark": "distlab.bench.mfu_ladder",
+                      "arguments": arguments, **table.attrs}
+        return save_table(table, Path(args.out) / TABLE, provenance)
+
+    table = ladder(model, args.device, args.dtype, args.seq_len, args.steps, args.warmup, args.rungs, args.timeout,
+                   first=args.from_rung, save=save if args.out else None)
     print(table.drop(columns=["change"]).round(4).to_string(index=False), flush=True)
     ok = table.dropna(subset=["tokens_per_s"]) if "tokens_per_s" in table else table.iloc[:0]
     if len(ok) >= 2:
         first, best = ok.iloc[0], ok.loc[ok["mfu_data_sheet"].idxmax()]
-        print(f"best rung: {best['change']}: {best['tokens_per_s'] / first['tokens_per_s']:.2f}x the baseline's "
+        print(f"best rung: {best["change"]}: {best["tokens_per_s"] / first["tokens_per_s"]:.2f}x the first rung's "
               f"tokens/s; MFU {best['mfu_data_sheet']:.1%} of the data sheet, {best['mfu_measured_peak']:.1%} of "
               f"the measured matmul peak", flush=True)
     if args.out:
-        arguments = {k: v for k, v in vars(args).items() if k != "out"}
-        provenance = {**stamp(model or "distlab-tiny", 1), "benchmark": "distlab.bench.mfu_ladder",
-                      "arguments": arguments, **{k: v for k, v in table.attrs.items()}}
-        print(f"saved {save_table(table, Path(args.out) / TABLE, provenance)}", flush=True)
+        print(f"saved {save(table)}", flush=True)
     return 0
 
 
