@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ok = table.dropna(subset=["tokens_per_s"]) if "tokens_per_s" in table else table.iloc[:0]
     if len(ok) >= 2:
         first, best = ok.iloc[0], ok.loc[ok["mfu_data_sheet"].idxmax()]
-        print(f"best rung: {best["change"]}: {best["tokens_per_s"] / first["tokens_per_s"]:.2f}x the first rung's "
+        print(f"best rung: {best['change']}: {best['tokens_per_s'] / first['tokens_per_s']:.2f}x the first rung's "
               f"tokens/s; MFU {best['mfu_data_sheet']:.1%} of the data sheet, {best['mfu_measured_peak']:.1%} of "
               f"the measured matmul peak", flush=True)
     if args.out:
