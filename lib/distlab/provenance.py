@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,24 @@ def stamp(model: str, world_size: int | str, device: str | None = None, **extra:
     for key, var in (("chapter", "DISTLAB_CHAPTER"), ("profile", "DISTLAB_PROFILE"), ("inputs", "DISTLAB_INPUTS")):
         if os.environ.get(var):
             rec[key] = os.environ[var]
+    rec.update(_accelerator_versions())
     rec.update(extra)
+    return rec
+
+
+def _accelerator_versions() -> dict[str, str]:
+    """On a CUDA machine, the versions a GPU number depends on: PyTorch, its CUDA and the driver.
+    Only where torch is already imported (this module stays torch-free for the planners)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    rec = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20, check=True)
+        rec["driver"] = query.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        rec["driver"] = "unknown (nvidia-smi did not answer)"
     return rec
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from distlab.cli import run_main
+from distlab.cli import finite_float, run_main
 from distlab.device import measure_matmul_flops, peak_flops
 from distlab.launch.process import RunFailed, python_module_cmd, run
 from distlab.metrics import read_log
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rungs", type=int, default=len(RUNGS), help="run only the first N rungs")
     parser.add_argument("--from-rung", type=int, default=0, help="start at this rung (0-based; it keeps the changes "
                         "above it)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per rung before it is killed")
+    parser.add_argument("--timeout", type=finite_float, default=300, help="seconds per rung before it is killed")
     parser.add_argument("--out", metavar="DIR", help=f"save {TABLE} here with a provenance sidecar")
     args = parser.parse_args(argv)
     model = None if args.model == "null" else args.model
