@@ -44,3 +44,19 @@ def test_the_repository_book_lists_every_page_it_holds():
     listed = {"intro.md", *(p.name for p in front + appendices)}
     assert {p.name for p in paths.BOOK_DIR.glob("*.md")} <= listed
     assert (paths.BOOK_DIR / "workshop.md") in front
+
+
+def test_recorded_gpu_measurements_are_staged_beside_the_figures(tmp_path):
+    """figures/gpu holds dated GPU records (no build here redraws them): the book gets them as they are."""
+    source = tmp_path / "book"
+    source.mkdir()
+    (source / "_config.yml").write_text((paths.BOOK_DIR / "_config.yml").read_text())
+    (source / "intro.md").write_text("# Intro\n")
+    figures = tmp_path / "figures"
+    (figures / "gpu" / "raw").mkdir(parents=True)
+    (figures / "gpu" / "ladder.csv").write_text("rung,tokens_per_s\n0,1311\n")
+    (figures / "gpu" / "raw" / "environment.log").write_text("NVIDIA H100\n")
+    book_staging.stage(source, tmp_path / "src", figures_dir=figures, notebooks_dir=tmp_path / "none")
+    staged = tmp_path / "src" / "figures" / "gpu"
+    assert (staged / "ladder.csv").read_text() == "rung,tokens_per_s\n0,1311\n"
+    assert (staged / "raw" / "environment.log").exists()
