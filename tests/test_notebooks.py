@@ -59,6 +59,7 @@ def test_book_builds_and_every_page_loads_in_a_browser(executed):
     assert mathjax.find_mathjax() or mathjax.fetch_mathjax(), "could not install MathJax from npm"
     for table in paths.FIGURES_DIR.glob("bench_*"):  # the appendix's tables: `make benchmarks`, not a notebook
         shutil.copy(table, figures / table.name)
+    shutil.copytree(paths.FIGURES_DIR / "gpu", figures / "gpu", dirs_exist_ok=True)  # dated records of a lent GPU
     built = book_build.build(paths.BOOK_DIR, root / "_build", figures_dir=figures, notebooks_dir=out,
                        summary_path=work / "summary.json")
     report = site_check.check_site(built.html_dir, chromium=chromium)

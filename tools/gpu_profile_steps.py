@@ -35,7 +35,8 @@ with tempfile.TemporaryDirectory() as tmp:
     steps = read_log(Path(tmp) / "train_log.jsonl")
 events = prof.key_averages()
 print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
-busy = sum(e.self_device_time_total for e in events) / 1e6
+# kernels and copies only: an operator's row repeats the time of the kernels it launched
+busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
 wall = sum(s["step_time_s"] for s in steps)
 launches = sum(e.count for e in events if e.self_device_time_total > 0)
 print(f"{len(steps)} steps: wall {wall:.2f}s; GPU busy {busy:.2f}s (whole run, model build included); "

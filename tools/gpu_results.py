@@ -1,0 +1,113 @@
+"""The GPU records of one lent-machine session, as the book shows them.
+
+    python tools/gpu_results.py figures/gpu/session_2026-11-26
+
+The session folder holds what tools/gpu_session.sh brought back, one folder per call (call1, call2, ...),
+and SESSION.json: the device's versions and the commit each call ran (a lent machine gets a copy of the
+working tree, whose git metadata can be stale, so the commit is the one the caller sent). This writes,
+beside the session folder:
+
+- mfu_ladder.csv: every rung of the MFU ladder, from the latest call that measured it with the code
+  of that call (a call's CSV if it saved one, else the rung lines of its log), with the call and commit;
+- mfu_ladder.png: MFU per rung against the data-sheet peak and against the measured matmul peak;
+- trainer_vs_hf.csv: the distlab / HF Trainer / TRL comparison as the session measured it;
+
+each with a provenance sidecar naming the device, driver, CUDA and PyTorch versions and the sources.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from distlab.bench.mfu_ladder import RUNGS  # noqa: E402
+from distlab.provenance import save_figure, save_table  # noqa: E402
+
+RUNG_LINE = re.compile(r"^(?P<change>\S.*?)\s+(?P<tps>\d+) tokens/s\s+MFU (?P<mfu>[\d.]+)% \(data sheet\), "
+                       r"(?P<mfu_measured>[\d.]+)% \(measured peak\), (?P<mem>[\d.]+) GiB$")
+PEAK_LINE = re.compile(r"^matmul peak measured here: (?P<peak>[\d.]+) TFLOP/s")
+
+
+def ladder_rows(call: Path, commit: str) -> list[dict]:
+    """A call's rungs: its saved CSV where there is one, else the rung lines its log printed."""
+    names = [name for name, _ in RUNGS]
+    log = (call / "mfu_ladder.log").read_text()
+    peak = next(float(m["peak"]) for m in map(PEAK_LINE.match, log.splitlines()) if m)
+    if (call / "mfu_ladder.csv").exists():
+        table = pd.read_csv(call / "mfu_ladder.csv")
+        rows = [{"rung": int(r.rung), "change": r.change, "tokens_per_s": r.tokens_per_s,
+                 "mfu_data_sheet": r.mfu_data_sheet, "mfu_measured_peak": r.mfu_measured_peak,
+                 "peak_mem_gib": r.peak_mem_gib} for r in table.itertuples() if pd.notna(r.tokens_per_s)]
+    else:
+        rows = []
+        for line in log.splitlines():
+            m = RUNG_LINE.match(line.strip())
+            if m and m["change"] in names:
+                rows.append({"rung": names.index(m["change"]), "change": m["change"], "tokens_per_s": float(m["tps"]),
+                             "mfu_data_sheet": float(m["mfu"]) / 100,
+                             "mfu_measured_peak": float(m["mfu_measured"]) / 100, "peak_mem_gib": float(m["mem"])})
+    for row in rows:
+        row.update(call=call.name, commit=commit, measured_matmul_tflops=peak)
+    return rows
+
+
+def main(session: Path) -> int:
+    meta = json.loads((session / "SESSION.json").read_text())
+    calls = sorted(p for p in session.iterdir() if p.is_dir() and (p / "mfu_ladder.log").exists())
+    by_rung: dict[int, dict] = {}
+    superseded = []
+    for call in calls:  # a later call's measurement of a rung replaces an earlier one (newer code)
+        for row in ladder_rows(call, meta["calls"][call.name]["commit"]):
+            if row["rung"] in by_rung:
+                superseded.append({**by_rung[row["rung"]], "superseded_by": call.name})
+            by_rung[row["rung"]] = row
+    ladder = pd.DataFrame([by_rung[k] for k in sorted(by_rung)])
+    out = session.parent
+    base = {"device": meta["device"], "model": "qwen2.5-0.5b-random", "world_size": 1,
+            "commit": " / ".join(f"{c}: {v['commit']}" for c, v in meta["calls"].items()),
+            "date": meta["date"], "driver": meta["driver"], "cuda": meta["cuda"], "torch": meta["torch"],
+            "packages": meta["packages"], "session": session.name}
+    provenance = {**base, "sources": [str(c.relative_to(out)) for c in calls],
+                  "superseded_rows": superseded, "note": meta.get("note", "")}
+    save_table(ladder.round(4), out / "mfu_ladder.csv", provenance)
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    y = range(len(ladder))
+    ax.barh([i - 0.2 for i in y], ladder["mfu_data_sheet"] * 100, height=0.4, color="tab:blue",
+            label="MFU against the data-sheet peak (989 TFLOP/s)")
+    ax.barh([i + 0.2 for i in y], ladder["mfu_measured_peak"] * 100, height=0.4, color="tab:orange",
+            label="MFU against the matmul peak measured in the same call ("
+                  + " and ".join(f"{p:.0f}" for p in ladder["measured_matmul_tflops"].unique()) + " TFLOP/s)")
+    for i, row in enumerate(ladder.itertuples()):
+        ax.text(row.mfu_measured_peak * 100 + 0.4, i, f"{row.tokens_per_s / 1000:.1f}k tokens/s", va="center",
+                fontsize=8)
+    ax.set_yticks(list(y), [f"{r.change} ({r.call})" for r in ladder.itertuples()], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("model FLOPs utilisation (%)")
+    ax.set_xlim(0, max(30, ladder["mfu_measured_peak"].max() * 100 * 1.35))
+    ax.set_title("Full fine-tuning of a 0.5B Qwen2 shape on one H100, one change per rung", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.35, -0.14), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    save_figure(fig, out / "mfu_ladder.png", provenance)
+
+    trainer = session / meta["trainer_vs_hf"]
+    table = pd.read_csv(trainer)
+    save_table(table.round(4), out / "trainer_vs_hf.csv",
+               {**base, "commit": meta["calls"][trainer.parent.name]["commit"],
+                "sources": [str(trainer.relative_to(out))], "note": meta.get("trainer_note", "")})
+    print(ladder.to_string(index=False))
+    print(f"wrote {out / 'mfu_ladder.csv'}, {out / 'mfu_ladder.png'}, {out / 'trainer_vs_hf.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
