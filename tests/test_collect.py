@@ -155,7 +155,7 @@ def test_aggregate_plots_and_report(tmp_path):
     csv = benchmark_report.save_metrics(df, tmp_path, stamp)
     plots = benchmark_report.save_plots(df, tmp_path, stamp)
     report = benchmark_report.write_report(df, tmp_path, stamp, sections={"Extra": df[["run", "mean_loss"]]})
-    assert csv.name == "strategy_metrics.csv" and len(plots) == 2
+    assert csv.name == "strategy_metrics.csv" and [p.name for p in plots] == list(benchmark_report.PLOTS.values())
     assert csv.read_text().splitlines()[0].split(",") == benchmark_report.METRICS
     assert all(p.exists() and p.with_name(p.name + ".provenance.json").exists() for p in plots + [csv, report])
     text = report.read_text()

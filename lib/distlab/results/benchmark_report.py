@@ -1,6 +1,6 @@
 """Result records of several runs -> the strategy benchmark: one row per run (`aggregate`, saved as
-figures/strategy_metrics.csv), tokens/s and peak memory per rank drawn (`save_plots`: step time and
-scaling efficiency are tokens/s restated, in the CSV and the report, not drawn again), the loss curves
+figures/strategy_metrics.csv), the four plots of the Kubernetes benchmark drawn (`save_plots`: tokens/s,
+the slowest rank's step time, peak memory per rank, scaling efficiency against the 1-rank run), the loss curves
 compared (`loss_agreement`), and `write_report`'s BENCHMARK_REPORT.md with the tables and their
 provenance (the benchmark framework's parse_metrics, plot and make_report, as a library).
 
@@ -83,7 +83,8 @@ def save_metrics(df, figures_dir: str | Path, provenance: dict, name: str = "str
 
 
 # file names kept from the Kubernetes benchmark's framework
-PLOTS = {"tokens_per_s": "strategy_tokens_per_sec.png", "peak_mem_bytes_per_rank": "strategy_peak_memory.png"}
+PLOTS = {"tokens_per_s": "strategy_tokens_per_sec.png", "step_time_s": "strategy_step_time.png",
+         "peak_mem_bytes_per_rank": "strategy_peak_memory.png", "scaling_efficiency": "strategy_scaling_efficiency.png"}
 
 
 def _label(row) -> str:
@@ -92,14 +93,17 @@ def _label(row) -> str:
 
 def save_plots(df, figures_dir: str | Path, provenance: dict, memory_label: str = "peak memory per rank (MiB)"
                ) -> list[Path]:
-    """Throughput and peak memory per rank, one bar per run, grouped by mode (LoRA / full). `memory_label`
-    says what the memory is (the process's peak RSS on CPU, the allocator's peak on a GPU)."""
+    """Throughput, step time, peak memory per rank and scaling efficiency, one bar per run, grouped by mode
+    (LoRA / full). `memory_label` says what the memory is (the process's peak RSS on CPU, the allocator's
+    peak on a GPU). Efficiency is n/a for a mode without a 1-rank run to compare with."""
 
     figures_dir = Path(figures_dir)
     modes = list(dict.fromkeys(df["mode"]))
     out = []
     specs = [("tokens_per_s", "tokens/s (all ranks)", "throughput"),
-             ("peak_mem_bytes_per_rank", memory_label, "peak memory per rank")]
+             ("step_time_s", "step time (s, slowest rank)", "step time"),
+             ("peak_mem_bytes_per_rank", memory_label, "peak memory per rank"),
+             ("scaling_efficiency", "speedup / world size", "scaling efficiency")]
     for key, ylabel, title in specs:
         fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.3), squeeze=False)
         for ax, mode in zip(axes[0], modes):
@@ -118,6 +122,9 @@ def save_plots(df, figures_dir: str | Path, provenance: dict, memory_label: str 
                 for xi, v in zip(x, vals):
                     text = "n/a" if np.isnan(v) else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}")
                     ax.text(xi, 0 if np.isnan(v) else v, text, ha="center", va="bottom", fontsize=7)
+                if key == "scaling_efficiency":  # perfect scaling, the line every bar is read against
+                    ax.axhline(1.0, color="grey", ls="--", lw=0.8)
+                    ax.set_ylim(0, max(1.2, float(vals.max(skipna=True) or 0) * 1.15))
             ax.set_xticks(x, [_label(r) for _, r in sub.iterrows()], fontsize=7)
             ax.set_title(f"{title}: {mode}", fontsize=9)
             ax.set_ylabel(ylabel, fontsize=8)
