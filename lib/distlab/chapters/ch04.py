@@ -483,14 +483,16 @@ def plot_activation_memory(bub: pd.DataFrame, path, provenance: dict) -> pd.Data
 
 
 def study_table(base: dict, strategy: str, rows: Sequence[Sequence], nproc: int, steps: int, seq_len: int,
-                dtypes: dict[str, str], timeout_s: int = 900) -> pd.DataFrame:
+                dtypes: dict[str, str | None], lora: bool, timeout_s: int = 900) -> pd.DataFrame:
     """Every [micro_bsz, GA, activation checkpointing, dtype] row as its own run (own step log, warm-up steps
     left out), all in one launch; one table row each (table_row) with the slowest and fastest steady
-    step's tokens/s and every rank's peak memory."""
+    step's tokens/s and every rank's peak memory. `dtypes` maps a row's dtype to the run's (None: the
+    device has no native support for it, and the row is left out); `lora` False trains every weight."""
     named = {f"04_{strategy}_b{micro}_ga{ga}_{'ckpt' if ckpt else 'nockpt'}_{dt}": (micro, ga, bool(ckpt), dt)
-             for micro, ga, ckpt, dt in rows}
+             for micro, ga, ckpt, dt in rows if dtypes.get(dt)}
     jobs = launch_sweep("04_table", nproc, {**base, "strategy": strategy, "max_steps": steps, "warmup_steps": 1,
-                                            "measure_comm": True, "eval_file": None, "save_model": False},
+                                            "measure_comm": True, "eval_file": None, "save_model": False,
+                                            "lora": lora},
                         {name: {"micro_batch_size": micro, "grad_accum": ga, "activation_checkpointing": ckpt,
                                 "dtype": dtypes[dt]} for name, (micro, ga, ckpt, dt) in named.items()},
                         timeout_s=timeout_s, echo=False)
@@ -498,6 +500,7 @@ def study_table(base: dict, strategy: str, rows: Sequence[Sequence], nproc: int,
     for name, (micro, ga, ckpt, dt) in named.items():
         row = table_row(jobs[name], strategy=strategy, micro=micro, ga=ga, ckpt=ckpt, dtype=dt, seq_len=seq_len,
                         data_parallel=1)
+        row["training"] = "LoRA" if lora else "full"
         steady = schema.steady(schema.merge_ranks({r: read_log(p) for r, p in
                                                     enumerate(schema.rank_log_paths(jobs[name].log))}))
         per_step = [s["tokens"] / s["step_time_s"] for s in steady]
@@ -547,22 +550,27 @@ def plot_ga_sweep(ga: pd.DataFrame, stages: int, path, provenance: dict) -> None
     plt.close(fig)
 
 
-def versus_fsdp(base: dict, pick: pd.Series, stages: int, steps: int, seq_len: int, dtype: str,
-                timeout_s: int = 900) -> pd.DataFrame:
-    """FSDP on `stages` data-parallel ranks at the same tokens per step as the pipeline row `pick` (its GA
-    divided by the ranks), one run; the two rows side by side."""
-    micro, fga = int(pick["micro_bsz"]), int(pick["GA"]) // stages
-    job = launch_training(f"04_fsdp_b{micro}_ga{fga}", stages,
-                          {**base, "strategy": "fsdp", "pipeline_stages": None, "stage_layers": None,
-                           "micro_batch_size": micro, "grad_accum": fga, "max_steps": steps, "warmup_steps": 1,
-                           "measure_comm": True, "eval_file": None, "save_model": False,
-                           "activation_checkpointing": pick["ckpt"] == "T", "dtype": dtype},
-                          timeout_s=timeout_s, echo=False)
-    row = table_row(job, strategy="fsdp", micro=micro, ga=fga, ckpt=pick["ckpt"] == "T", dtype=pick["dtype"],
-                    seq_len=seq_len, data_parallel=stages)
-    keep = ["strategy", "micro_bsz", "GA", "N", "T_eff", "step_time_s", "tokens_per_s", "comm_share",
-            "bubble_fraction"]
-    return pd.DataFrame([{k: pick.get(k) for k in keep}, {k: row.get(k) for k in keep}])
+def versus_fsdp(base: dict, pipeline_rows: pd.DataFrame, stages: int, steps: int, seq_len: int,
+                dtypes: dict[str, str | None], lora: bool, timeout_s: int = 900) -> pd.DataFrame:
+    """FSDP on `stages` data-parallel ranks at the same tokens per step as each pipeline row whose GA divides
+    by the ranks (FSDP accumulates GA / ranks), all in one launch; one row per GA, the two side by side."""
+    rows = pipeline_rows[pipeline_rows.GA % stages == 0]
+    variants = {f"04_fsdp_b{int(r.micro_bsz)}_ga{int(r.GA) // stages}_{r.dtype}":
+                {"micro_batch_size": int(r.micro_bsz), "grad_accum": int(r.GA) // stages,
+                 "activation_checkpointing": r.ckpt == "T", "dtype": dtypes[r.dtype]} for r in rows.itertuples()}
+    jobs = launch_sweep("04_fsdp", stages, {**base, "strategy": "fsdp", "pipeline_stages": None, "stage_layers": None,
+                                            "max_steps": steps, "warmup_steps": 1, "measure_comm": True,
+                                            "eval_file": None, "save_model": False, "lora": lora},
+                        variants, timeout_s=timeout_s, echo=False)
+    out = []
+    for (name, v), r in zip(variants.items(), rows.itertuples()):
+        f = table_row(jobs[name], strategy="fsdp", micro=v["micro_batch_size"], ga=v["grad_accum"],
+                      ckpt=v["activation_checkpointing"], dtype=r.dtype, seq_len=seq_len, data_parallel=stages)
+        out.append({"T_eff": r.T_eff, "pipeline GA": r.GA, "FSDP GA x ranks": f"{f['GA']} x {stages}",
+                    "FSDP T_eff": f["T_eff"], "pipeline tokens/s": r.tokens_per_s, "FSDP tokens/s": f["tokens_per_s"],
+                    "FSDP / pipeline": f["tokens_per_s"] / r.tokens_per_s, "pipeline bubble": r.bubble_fraction,
+                    "FSDP comm share": f["comm_share"]})
+    return pd.DataFrame(out)
 
 
 def sdpa_table(device) -> pd.DataFrame:
