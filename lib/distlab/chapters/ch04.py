@@ -15,11 +15,16 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
+from matplotlib.patches import Patch
 
 from distlab import paths
+from distlab.attention import sdpa_backends
 from distlab.chapters.ch02 import result_line, torchrun_module_or_script
 from distlab.launch.local import launch_sweep, launch_training
+from distlab.layer_split import describe_split, split_layers
 from distlab.measure.bubble import (
     COMPUTE_KINDS,
     aggregate,
@@ -33,9 +38,11 @@ from distlab.measure.bubble import (
     typical_step,
 )
 from distlab.metrics import read_log
+from distlab.models import load_model
 from distlab.paths import RUNS_DIR
 from distlab.provenance import save_figure
 from distlab.results import schema
+from distlab.strategies.split import StageModule
 
 # ---------------------------------------------------------------- the schedules, simulated and drawn
 
@@ -144,9 +151,6 @@ def draw_schedules(path: str | Path, provenance: dict, stages: int = 2, microbat
     """The schedules as Gantt charts on ideal stages (backward twice a forward, free hand-offs), one panel
     each on a common time axis; the second model chunk of interleaved 1F1B hatched. Saves the figure;
     returns the simulated bubble beside the formula and the activations each stage holds at most."""
-    import matplotlib.pyplot as plt  # deferred: plotting is only needed when drawing
-    from matplotlib.patches import Patch
-
     colors = {"F": "#4C72B0", "B": "#DD8452"}
     fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 1.45 * stages * len(kinds) + 0.6), sharex=True)
     rows = []
@@ -315,8 +319,6 @@ def table_row(job, *, strategy: str, micro: int, ga: int, ckpt: bool, dtype: str
 def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3.4)):
     """Gantt charts side by side, one per labelled run folder, on a common time axis, all showing the
     same step: the given one, or the first run's typical step (median span). Returns the figure."""
-    import matplotlib.pyplot as plt  # deferred: plotting is only needed when drawing
-
     timelines = {label: read_timeline(run_dir) for label, run_dir in runs.items()}
     if step is None:
         step = typical_step(next(iter(timelines.values())))["step"]
@@ -361,8 +363,6 @@ def compare_pipelines(base: dict, micro_batch_size: int, grad_accum: int, steps:
 def plot_loss_curves(curves: pd.DataFrame, path, provenance: dict, title: str) -> pd.DataFrame:
     """The loss curves on top, each pipeline's relative difference from single-device training below (log
     scale, shrinking markers so that equal values stay visible). Saves the figure; returns the differences."""
-    import matplotlib.pyplot as plt
-
     ref = curves["single device"]
     rel = curves.drop(columns="single device").sub(ref, axis=0).abs().div(ref.abs(), axis=0)
     fig, (ax, axd) = plt.subplots(2, 1, figsize=(6.5, 4.6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
@@ -399,9 +399,6 @@ def bubble_columns(bub: pd.DataFrame) -> list[str]:
 def plot_bubble_vs_m(bub: pd.DataFrame, stages: int, path, provenance: dict) -> None:
     """Measured idle fraction (mean of stages and each stage) against m, beside the theory and the
     hand-off model; the two schedules drawn side by side at each m."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     ms = sorted(bub["m"].unique())
     idle_cols = [c for c in bub.columns if c.startswith("idle_stage")]
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -453,8 +450,6 @@ def box_durations(run_dirs: dict[str, Any], step: int | None = None) -> pd.DataF
 def plot_activation_memory(bub: pd.DataFrame, path, provenance: dict) -> pd.DataFrame:
     """Each stage's peak of saved activations against m for both schedules. Saves the figure; returns the
     peaks in MiB (rows m, columns (stage, schedule))."""
-    import matplotlib.pyplot as plt
-
     act_cols = [c for c in bub.columns if c.startswith("activation_peak_bytes_stage")]
     ms = sorted(bub["m"].unique())
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
@@ -521,8 +516,6 @@ def ga_sweep(table: pd.DataFrame, micro: int) -> pd.DataFrame:
 def plot_ga_sweep(ga: pd.DataFrame, stages: int, path, provenance: dict) -> None:
     """Throughput against GA (mean, min-max bars over steady steps) beside the measured busy fraction and
     1 - (p-1)/(m+p-1)."""
-    import matplotlib.pyplot as plt
-
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.6))
     err = [ga["tokens_per_s"] - ga["tokens_per_s_min"], ga["tokens_per_s_max"] - ga["tokens_per_s"]]
     ax1.errorbar(ga["GA"], ga["tokens_per_s"], yerr=err, fmt="o-", capsize=4,
@@ -575,15 +568,11 @@ def versus_fsdp(base: dict, pipeline_rows: pd.DataFrame, stages: int, steps: int
 
 def sdpa_table(device) -> pd.DataFrame:
     """Which attention backends run here and which one PyTorch picks, for plain causal and masked attention."""
-    from distlab.attention import sdpa_backends
-
     return pd.DataFrame(sdpa_backends(device)).set_index("attention")
 
 
 def save_timelines(runs: dict[str, Any], path, provenance: dict) -> None:
     """plot_timelines, saved with provenance and closed (the notebook shows the saved image)."""
-    import matplotlib.pyplot as plt
-
     fig = plot_timelines(runs)
     save_figure(fig, path, provenance)
     plt.close(fig)
@@ -591,10 +580,6 @@ def save_timelines(runs: dict[str, Any], path, provenance: dict) -> None:
 
 def split_table(model: str | None, stages: int, stage_layers: Sequence[int] | None = None) -> pd.DataFrame:
     """What each stage runs and holds: its layers (and the embedding, norm, head) and its parameters."""
-    from distlab.layer_split import describe_split, split_layers
-    from distlab.models import load_model
-    from distlab.strategies.split import StageModule
-
     causal = load_model(model)
     ranges = split_layers(causal.config.num_hidden_layers, stages, stage_layers)
     rows = []
