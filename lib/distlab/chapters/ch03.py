@@ -103,7 +103,7 @@ def plot_state_per_rank(state: pd.DataFrame, path, provenance: dict, rank: int =
         ax.set_xticks(range(len(order)), order)
         ax.set(ylabel=f"MiB held by rank {rank} (measured)", title=f"{mode}: model state per rank, {k} ranks",
                ylim=(0, bottom.max() * 1.15))
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, frameon=False, markerscale=0.5)
     fig.tight_layout()
     out = save_figure(fig, path, provenance)
     plt.close(fig)
