@@ -10,7 +10,9 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         beside HFU, key-fact tables, and a real step's memory against the planner (measure_training_memory)
   ch02  DDP: the idea drawn, scripts under torchrun, a traced step (buckets, overlap with backward), where a
         step's time goes (compute, transfer, waiting), the fault demo's timeline with its kill and restart
-  ch03  FSDP and ZeRO: planned bytes per rank as stacked bars against card capacities
+  ch03  FSDP and ZeRO: who holds what drawn, the by-hand ZeRO script's table, each rank's measured state
+        against the planner, communication per step (formula against measured), the loss curves, and the
+        planner's answers for the LAN cluster's cards
   ch04  pipeline training: GPipe, 1F1B and interleaved 1F1B simulated on ideal stages and drawn, the by-hand
         GPipe script's launch, the loss curves against one device, the bubble sweeps over micro-batches and
         schedules, the study's table rows, and the timeline plots (the bubble's theory and reading of a

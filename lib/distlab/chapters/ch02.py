@@ -76,9 +76,9 @@ def draw_data_parallel(path: str | Path, provenance: dict, layers: int = 4, buck
 # ---------------------------------------------------------------- scripts under torchrun
 
 
-def folders(figures_dir: str | Path | None) -> tuple[Path, Path]:
-    """(the figures folder: the given one or figures/, build/ch02/ for the chapter's scripts and traces)."""
-    work = paths.BUILD_DIR / "ch02"
+def folders(figures_dir: str | Path | None, chapter: str = "ch02") -> tuple[Path, Path]:
+    """(the figures folder: the given one or figures/, build/<chapter>/ for the chapter's scripts and traces)."""
+    work = paths.BUILD_DIR / chapter
     work.mkdir(parents=True, exist_ok=True)
     return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
 
