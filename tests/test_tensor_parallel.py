@@ -18,7 +18,7 @@ from distlab.chapters import ch07
 from distlab.config import TrainConfig
 from distlab.launch import local
 from distlab.launch.spec import LaunchSpec
-from distlab.measure.comm import CollectiveCounter
+from distlab.measure.collectives import CollectiveCounter
 from distlab.models import load_model
 from distlab.planning import memory, plan
 from distlab.strategies import make_strategy

@@ -14,10 +14,6 @@ Two instruments, attached by distlab.measure.meter when a run sets `measure_comm
   already complete, so its later wait() is free. Both FSDP2 and DeepSpeed look the collectives up
   on `torch.distributed` at call time, so wrapping them there sees them. `paused()` leaves out the
   training loop's own bookkeeping all-reduces (token counts, loss).
-
-A third, `CollectiveCounter` (chapter 07), counts instead of timing: a dispatch mode that sees every
-collective op, including the functional collectives DTensor issues inside tensor-parallel layers, which
-never pass through the `torch.distributed` functions `CollectiveTimer` wraps.
 """
 
 from __future__ import annotations
@@ -28,8 +24,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from distlab import compat
 
@@ -162,34 +156,3 @@ def payload_bytes(args, kwargs) -> int:
     for a in list(args) + list(kwargs.values()):
         visit(a)
     return best
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Every collective dispatched while active, as (op name, payload bytes): torch.distributed's calls
-    (c10d ops) and the functional collectives DTensor issues when it redistributes, forward or backward.
-
-        with CollectiveCounter() as fwd:
-            out = layer(x)
-        fwd.calls  # [("all_reduce", 524288), ...]
-
-    Bytes are the payload (the tensor reduced), not what a ring sends: 2(k-1)/k of it per rank."""
-
-    NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor turn the op into local ops and collectives first
-        out = func(*args, **(kwargs or {}))
-        name = func._overloadpacket.__name__
-        # leave out the namespaces' bookkeeping ops: waits, and DTensor's autograd wrapping of a result
-        if func.namespace in self.NAMESPACES and "wait" not in name and not name.startswith("_"):
-            self.calls.append((name.rstrip("_").replace("allreduce", "all_reduce"), payload_bytes(args, kwargs or {})))
-        return out
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for _, b in self.calls)
