@@ -149,3 +149,11 @@ def test_tp_training_has_the_loss_of_one_device(tmp_path):
                                echo=False)
     losses = ch07.loss_comparison(single.log, tp.log)
     assert len(losses) == 3 and losses["difference"].max() < 1e-5
+
+
+def test_the_benchmark_refuses_runs_shorter_than_the_warm_up():
+    from distlab.bench import tensor_parallel
+
+    with pytest.raises(ValueError, match="warm-up"):
+        tensor_parallel.measure(steps=2, rounds=1)
+    assert tensor_parallel.RUNS == {1: "single", 2: "tp"} and not tensor_parallel.SETUP["measure_comm"]

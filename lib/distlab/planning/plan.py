@@ -353,6 +353,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
       pipeline,     layers divided over `pipeline_stages` stages (first stage: embedding, last: norm
       ds_pipeline   and LM head), DDP across world / stages replicas; activations of the micro-batches
                     in flight (1F1B: stages - stage index).
+      tp            each decoder layer's projections cut in `world` slices (strategies.tp's plan); embedding,
+                    norms and LM head whole on every rank (full fine-tuning).
     """
     if strategy not in PLANNERS:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_NAMES)}")
