@@ -145,10 +145,13 @@ def test_tp_training_has_the_loss_of_one_device(tmp_path):
               "logging_steps": 1, "eval_at_start": False, "eval_at_end": False, "save_model": False}
     single = local.launch_training("t07_single", 1, {**common, "strategy": "single"}, runs_dir=tmp_path,
                                    scripts_dir=tmp_path, echo=False)
-    tp = local.launch_training("t07_tp", 2, {**common, "strategy": "tp"}, runs_dir=tmp_path, scripts_dir=tmp_path,
-                               echo=False)
+    tp = local.launch_training("t07_tp", 2, {**common, "strategy": "tp", "save_model": True}, runs_dir=tmp_path,
+                               scripts_dir=tmp_path, echo=False)
     losses = ch07.loss_comparison(single.log, tp.log)
     assert len(losses) == 3 and losses["difference"].max() < 1e-5
+    saved = load_model(tp.output_dir / "model")  # rank 0 wrote whole weights, gathered from the slices
+    cfg = saved.config
+    assert saved.model.layers[0].mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size)
 
 
 def test_the_benchmark_refuses_runs_shorter_than_the_warm_up():
@@ -157,3 +160,9 @@ def test_the_benchmark_refuses_runs_shorter_than_the_warm_up():
     with pytest.raises(ValueError, match="warm-up"):
         tensor_parallel.measure(steps=2, rounds=1)
     assert tensor_parallel.RUNS == {1: "single", 2: "tp"} and not tensor_parallel.SETUP["measure_comm"]
+
+
+def test_tp_refuses_periodic_checkpoints_it_cannot_write_yet():
+    with pytest.raises(ValueError, match="checkpoint_steps=0"):
+        TPStrategy().setup(TrainConfig(strategy="tp", lora=False, checkpoint_steps=5))
+    assert not dist.is_initialized()

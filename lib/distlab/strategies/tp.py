@@ -12,8 +12,9 @@ the same (already summed) gradients everywhere, so their updates stay identical 
 The data is NOT split: every rank sees every row (data-parallel size 1), so the loop's token counts and
 loss need no sum over ranks. A rank computes the local heads of attention, which needs the key/value
 head count divisible by the world size (`check_tp_degree`). Full fine-tuning only: LoRA's wrappers hide
-the projections from the plan (`tp` refuses lora=true with one line). Checkpoints are not written
-(the loop writes one only when checkpoint_steps is set); `save_model` gathers full weights on rank 0.
+the projections from the plan (`tp` refuses lora=true with one line). No periodic checkpoints yet
+(`tp` refuses checkpoint_steps: a sliced optimizer state needs torch.distributed.checkpoint, as fsdp
+writes it); `save_model` gathers the full weights and rank 0 writes a from_pretrained folder.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class TPStrategy(DistributedStrategy):
         if cfg.lora:
             raise ValueError("strategy 'tp' trains every weight: set lora=false (LoRA's wrappers hide the "
                              "projections the tensor-parallel plan splits)")
+        if cfg.checkpoint_steps:
+            raise ValueError("strategy 'tp' writes no periodic checkpoints yet: set checkpoint_steps=0")
         super().setup(cfg)
         self.mesh = init_device_mesh("cuda" if self.backend == "nccl" else "cpu", (self.world_size,),
                                      mesh_dim_names=("tp",))
