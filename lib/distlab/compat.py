@@ -60,6 +60,7 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     _torch("torch", "_fused_sdp_choice", "chapter 04's table of the SDPA backend PyTorch dispatches to"),
     _torch("torch.distributed", "_all_gather_base", "timing every collective (older all-gather name)"),
     _torch("torch.distributed", "_reduce_scatter_base", "timing every collective (older reduce-scatter name)"),
+    _torch("torch.utils._python_dispatch", "TorchDispatchMode", "counting the collectives DTensor issues (ch. 07)"),
     _torch(_PIPE_SCHEDULES, "_batch_p2p", "timing each stage-to-stage send/receive of a pipeline step"),
     _torch(_PIPE_SCHEDULES, "_wait_batch_p2p", "timing each stage-to-stage send/receive of a pipeline step"),
     _torch(_PIPE_STAGE, "forward_one_chunk", "time-stamping each micro-batch forward on a stage"),
@@ -152,6 +153,11 @@ def collective_names() -> tuple[str, ...]:
               "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce_coalesced",
               "all_gather_coalesced", "reduce")
     return public + ("_all_gather_base", "_reduce_scatter_base")
+
+
+def torch_dispatch_mode() -> type:
+    """The base class of a mode that sees every op the dispatcher runs (distlab.measure.collectives)."""
+    return _module_attr("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 @contextlib.contextmanager

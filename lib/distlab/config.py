@@ -16,7 +16,7 @@ from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
 
 # The one list of strategies (distlab.strategies maps each name to its class; the launcher and the
 # planner read the names here, without importing torch).
-STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "pipeline", "ds_pipeline")
+STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "pipeline", "ds_pipeline", "tp")
 PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
 
 # DeepSpeed settings distlab's DeepSpeed config uses, which the memory planner plans with too.

@@ -1,4 +1,4 @@
-"""The one training loop. Strategies (single, ddp, fsdp, zero, pipeline) wrap it; nobody copies it.
+"""The one training loop. Strategies (single, ddp, fsdp, zero, pipeline, tp) wrap it; nobody copies it.
 
     python -m distlab.train --config lib/distlab/configs/tiny_lora.yaml [--set max_steps=50 ...]
 

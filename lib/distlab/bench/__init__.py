@@ -5,6 +5,7 @@ never absolute targets. Each is `python -m distlab.bench.<name>` with `--help`.
                       and the recipe ablation (--out: the tables of book/appendix_benchmarks.md)
   mfu_ladder          full fine-tuning tokens/s and MFU on one GPU, one optimisation added per rung      GPU
   ddp_scaling         2-rank DDP efficiency against 1 rank                                              ch. 02
+  tensor_parallel     2-rank tensor parallelism (tp) against one device, full fine-tuning               ch. 07
   pipeline_bubble     the measured pipeline bubble vs (p-1)/(m+p-1), GPipe and 1F1B                      ch. 04
   pipeline_inference  2 stages with micro-batches in flight vs 1 stage vs one at a time                  ch. 06
   lan_network         all-reduce bus bandwidth as a share of a shaped link                               ch. 05

@@ -18,4 +18,6 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         schedules, the study's table rows, and the timeline plots (the bubble's theory and reading of a
         timeline: distlab.measure.bubble)
   ch06  Slurm pipeline inference: a run's stage timeline
+  ch07  tensor parallelism: Megatron's split drawn, the by-hand and DTensor scripts run and compared, a layer's
+        all-reduce bytes against the formula, and a `tp` run's loss against one device
 """

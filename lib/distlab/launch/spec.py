@@ -92,6 +92,8 @@ class LaunchSpec:
     def data_parallel_size(self) -> int:
         if self.effective_strategy in PIPELINE_STRATEGIES and self.pipeline_stages:
             return self.world_size // self.pipeline_stages
+        if self.effective_strategy == "tp":
+            return 1  # tensor parallelism: every rank sees every row
         return self.world_size
 
     @property

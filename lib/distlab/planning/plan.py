@@ -297,8 +297,25 @@ def plan_pipeline(s: PlanSetup, rank: int) -> MemoryBreakdown:
     return b
 
 
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # strategies.tp's plan
+
+
+def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """Tensor parallelism (full fine-tuning): every decoder layer's projections (and the q/k/v biases) cut
+    in `world` slices; embedding, norms and LM head whole on every rank. Activations are planned whole (the
+    layer inputs and outputs are; only the per-head and FFN-width ones are sliced)."""
+    def held(p):
+        return _chunk(p.numel, s.world_size) if any(f".{n}." in f".{p.name}." for n in TP_SPLIT) else p.numel
+
+    held_t = sum(held(p) for p in s.trained)
+    w, a = s.split(sum(held(p) for p in s.frozen) * s.weight_bytes, held_t * s.trainable_bytes)
+    b = MemoryBreakdown(w, a, held_t * s.trainable_bytes, held_t * s.moment_bytes, s.activations)
+    b.notes.append("each layer's q/k/v/o and gate/up/down sliced over the ranks; the rest replicated")
+    return b
+
+
 PLANNERS = {"single": plan_single, "ddp": plan_ddp, "fsdp": plan_fsdp, "zero2": plan_zero2, "zero3": plan_zero3,
-            "pipeline": plan_pipeline, "ds_pipeline": plan_pipeline}
+            "pipeline": plan_pipeline, "ds_pipeline": plan_pipeline, "tp": plan_tp}
 REPLICATED = ("single", "ddp")  # every rank holds the same: plan rank 0 only
 
 
@@ -336,6 +353,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
       pipeline,     layers divided over `pipeline_stages` stages (first stage: embedding, last: norm
       ds_pipeline   and LM head), DDP across world / stages replicas; activations of the micro-batches
                     in flight (1F1B: stages - stage index).
+      tp            each decoder layer's projections cut in `world` slices (strategies.tp's plan); embedding,
+                    norms and LM head whole on every rank (full fine-tuning).
     """
     if strategy not in PLANNERS:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_NAMES)}")

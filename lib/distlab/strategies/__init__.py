@@ -12,6 +12,7 @@ Read `base` first (the hooks the loop calls), then one file per parallelism, in 
   staged       what both pipelines share: a rank's stage, its replicas, its step         ch. 04
   pipeline     torch.distributed.pipelining (GPipe, 1F1B)                                  ch. 04
   ds_pipeline  the same split with DeepSpeed's PipelineModule                              ch. 04
+  tp           tensor parallelism (DTensor): each layer's projections split over the ranks  ch. 07
 
 The one list of strategy names is distlab.config.STRATEGY_NAMES (the config, the launcher and the planner
 read it without importing torch); the registry below maps each to its class. Importing this package
@@ -35,6 +36,7 @@ _REGISTRY = {
     "zero3": "zero:Zero3Strategy",
     "pipeline": "pipeline:PipelineStrategy",
     "ds_pipeline": "ds_pipeline:DeepSpeedPipelineStrategy",
+    "tp": "tp:TPStrategy",
 }
 assert tuple(_REGISTRY) == STRATEGY_NAMES, "distlab.config.STRATEGY_NAMES and the registry list the same strategies"
 

@@ -1,0 +1,66 @@
+"""2-rank tensor parallelism (`tp`) against one device, measured side by side.
+
+    python -m distlab.bench.tensor_parallel [--steps 12] [--rounds 3]
+
+The same full fine-tuning of the tiny model (the same rows, every weight trained) runs on one process
+(`single`) and on two tensor-parallel ranks (`tp`), one thread per rank, in alternating rounds so that
+machine noise hits both alike. Both see every row of every step, so their tokens/s (steady state after
+distlab.results.schema.WARMUP_STEPS, the slower rank's step time) compare directly: speedup =
+tokens_per_s(tp) / tokens_per_s(single); "scaling_efficiency" is that over 2. It prints the medians, the
+spread over rounds and the ratios, and asserts nothing: a speedup below 1 on a CPU is an honest result
+(every block's all-reduce through gloo against small matmuls), not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from distlab.cli import run_main
+from distlab.launch.local import launch_training
+from distlab.results import scaling_table, schema
+
+SETUP = {"lora": False, "micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "logging_steps": 1,
+         "eval_at_start": False, "eval_at_end": False, "save_model": False, "measure_comm": False}
+RUNS = {1: "single", 2: "tp"}  # world size -> strategy
+
+
+def measure(steps: int = 12, rounds: int = 3, overrides: dict | None = None, runs_dir: Path | None = None,
+            timeout_s: int = 900, progress=print):
+    """The scaling table (world size 1: single, 2: tp) over `rounds` alternating rounds, median and spread."""
+    if steps <= schema.WARMUP_STEPS:
+        raise ValueError(f"--steps {steps}: the first {schema.WARMUP_STEPS} steps are warm-up; run more")
+    runs_dir = runs_dir or Path(tempfile.mkdtemp(prefix="tensor_parallel_"))
+    logs: dict[int, list[Path]] = {k: [] for k in RUNS}
+    for r in range(rounds):
+        for k, strategy in RUNS.items():
+            job = launch_training(f"tp_bench_{strategy}_r{r + 1}", k,
+                                  {**SETUP, **(overrides or {}), "strategy": strategy, "max_steps": steps},
+                                  timeout_s=timeout_s, runs_dir=runs_dir, echo=False)
+            logs[k].append(job.log)
+            if progress:
+                progress(f"round {r + 1}/{rounds}, {strategy}: {job.result.elapsed_s:.0f}s")
+    return scaling_table.scaling_over_rounds(logs)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distlab.bench.tensor_parallel",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = measure(args.steps, args.rounds, runs_dir=Path(tmp))
+    for row in table.to_dict("records"):
+        print(f"{RUNS[int(row['world_size'])]} ({int(row['world_size'])} rank(s)): median tokens_per_s "
+              f"{row['tokens_per_s']:.0f} (rounds {row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f})")
+    two = table.set_index("world_size").loc[2]
+    print(f"tp / single: speedup {two['speedup']:.2f}, efficiency {two['scaling_efficiency']:.2f} (pairings of "
+          f"rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; warm-up: first "
+          f"{schema.WARMUP_STEPS} steps left out; one thread per rank)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, sigterm_exits=True)  # a SIGTERM kills the launched process groups too

@@ -1,0 +1,140 @@
+"""Chapter 07 (tensor parallelism): Megatron's split drawn, the by-hand and DTensor results set side by side,
+the bytes a layer all-reduces against the formula, and the loss of a `tp` run against one device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from distlab import paths
+from distlab.chapters.ch02 import result_line, torchrun_module_or_script
+from distlab.launch import local
+from distlab.metrics import read_log
+from distlab.provenance import save_figure
+
+RANK_COLORS = ("C0", "C1")
+
+# ---------------------------------------------------------------- the idea, drawn
+
+
+def _matrix(ax, x: float, y: float, w: float, h: float, split: str, title: str, note: str) -> None:
+    """A weight drawn as X @ A sees it (rows: inputs, columns: outputs), cut in two by columns or rows."""
+    for r, color in enumerate(RANK_COLORS):
+        if split == "columns":
+            ax.add_patch(Rectangle((x + r * w / 2, y), w / 2, h, fc=color, alpha=0.45, ec="k"))
+        else:
+            ax.add_patch(Rectangle((x, y + (1 - r) * h / 2), w, h / 2, fc=color, alpha=0.45, ec="k"))
+    ax.text(x + w / 2, y + h + 0.25, title, ha="center", va="bottom", fontsize=8, weight="bold")
+    ax.text(x + w / 2, y - 0.25, note, ha="center", va="top", fontsize=7)
+
+
+def draw_tensor_parallel(path: str | Path, provenance: dict, config, tp: int = 2) -> Path:
+    """Left: which slice of each weight a rank holds (attention by heads, the MLP by FFN columns then rows).
+    Right: one decoder layer on two ranks, with the only all-reduces: after o_proj and after down_proj in
+    forward, and their mirrors (the input gradients of q/k/v and of gate/up) in backward."""
+    heads, kv, ffn = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    fig, (ax_w, ax_f) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [1, 1.45]})
+    ax_w.set(xlim=(0, 10), ylim=(0, 10), title="who holds which slice (as X @ A: rows in, columns out)")
+    _matrix(ax_w, 0.4, 5.6, 2.0, 2.6, "columns", "q, k, v", f"heads {heads // tp} + {heads // tp}\n"
+            f"kv heads {kv // tp} + {kv // tp}")
+    _matrix(ax_w, 3.0, 5.6, 2.0, 2.6, "rows", "o_proj", "rows of\nmy heads' outputs")
+    _matrix(ax_w, 5.6, 5.6, 2.0, 2.6, "columns", "gate, up", f"FFN columns\n{ffn // tp} + {ffn // tp}")
+    _matrix(ax_w, 8.0, 5.6, 1.6, 2.6, "rows", "down", "FFN rows\n(the same blocks)")
+    for r, color in enumerate(RANK_COLORS):
+        ax_w.add_patch(Rectangle((0.6 + 4.6 * r, 2.3), 0.5, 0.5, fc=color, alpha=0.45, ec="k"))
+        ax_w.text(1.25 + 4.6 * r, 2.55, f"rank {r}'s slice", va="center", fontsize=8)
+    ax_w.text(5, 1.2, "column-parallel: outputs split, no communication\nrow-parallel: partial sums, one "
+              "all-reduce", ha="center", va="center", fontsize=8)
+    ax_w.axis("off")
+
+    ax_f.set(xlim=(0, 14), ylim=(0, 10), title="one decoder layer, 2 ranks: where the all-reduces sit")
+    steps = [(0.2, "x\n(whole)"), (2.0, "q,k,v\nmy heads"), (3.8, "attention\nmy heads"), (5.6, "o_proj\npartial"),
+             (8.0, "+x, norm\n(whole)"), (9.8, "gate, up\nmy cols"), (11.6, "down\npartial")]
+    for r, y in enumerate((6.3, 2.0)):
+        ax_f.text(0.1, y + 1.75, f"rank {r}", color=RANK_COLORS[r], weight="bold", fontsize=9)
+        for x, label in steps:
+            ax_f.add_patch(Rectangle((x, y), 1.5, 1.3, fc=RANK_COLORS[r], alpha=0.25, ec="k"))
+            ax_f.text(x + 0.75, y + 0.65, label, ha="center", va="center", fontsize=7)
+        for (x0, _), (x1, _) in zip(steps, steps[1:]):
+            if x1 - x0 < 2:  # inside a block: local, no arrow through an all-reduce
+                ax_f.add_patch(FancyArrowPatch((x0 + 1.5, y + 0.65), (x1, y + 0.65), arrowstyle="->",
+                                               mutation_scale=8))
+    for x, tag in ((7.25, "all-reduce\n(sum)"), (13.25, "all-reduce\n(sum)")):
+        ax_f.add_patch(Rectangle((x - 0.15, 2.0), 0.6, 5.6, fc="C3", alpha=0.3, ec="C3"))
+        ax_f.text(x + 0.15, 4.95, tag, ha="center", va="center", fontsize=7, rotation=90)
+    for y in (6.95, 2.65):  # the summed output goes on, whole, on every rank
+        ax_f.add_patch(FancyArrowPatch((7.55, y), (8.0, y), arrowstyle="->", mutation_scale=8))
+    for x in (1.75, 9.55):  # backward: the input gradient of a column-parallel block is summed
+        ax_f.annotate("", (x, 2.0), (x, 7.6), arrowprops=dict(arrowstyle="<->", color="C2", ls="--"))
+        ax_f.text(x + 0.12, 4.95, "backward:\nall-reduce\nof dL/dx", color="C2", fontsize=7, va="center")
+    ax_f.text(7.0, 0.55, "forward: 2 all-reduces of b x s x h (red); backward: 2 more, of the input "
+              "gradients (green, dashed)", ha="center", fontsize=8)
+    ax_f.axis("off")
+    fig.tight_layout()
+    out = save_figure(fig, path, provenance)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------- tables
+
+
+def folders(figures_dir: str | Path | None) -> tuple[Path, Path]:
+    """(the figures folder: the given one or figures/, build/ch07/ for the chapter's scripts)."""
+    work = paths.BUILD_DIR / "ch07"
+    work.mkdir(parents=True, exist_ok=True)
+    return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
+
+
+def run_script(script: str | Path, nproc: int = 2, timeout_s: int = 300) -> dict:
+    """Run a chapter script on `nproc` gloo ranks under torchrun (one thread each); rank 0's RESULT."""
+    return result_line(torchrun_module_or_script(script, nproc=nproc, timeout_s=timeout_s))
+
+
+def allreduce_bytes_per_layer(batch: int, seq: int, hidden: int, bytes_per_value: int = 4) -> dict[str, int]:
+    """Megatron's count: the block outputs (forward) and block input gradients (backward) of attention
+    and MLP, each b x s x h values."""
+    one = batch * seq * hidden * bytes_per_value
+    return {"forward": 2 * one, "backward": 2 * one}
+
+
+def differences(by_hand: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
+    """The by-hand script's max differences against one device, one row per block."""
+    cols = ["output", "input_grad", "weight_grads"]
+    return pd.DataFrame(by_hand).T[cols].astype(float)
+
+
+def layer_bytes(by_hand: Mapping, dtensor: Mapping, batch: int, seq: int, hidden: int,
+                bytes_per_value: int = 4) -> pd.DataFrame:
+    """All-reduce payload bytes of one decoder layer: the formula, the by-hand split, DTensor's plan."""
+    formula = allreduce_bytes_per_layer(batch, seq, hidden, bytes_per_value)
+    rows = {}
+    for phase in ("forward", "backward"):
+        calls = dtensor[phase]
+        rows[phase] = {"formula: all-reduces": 2, "formula: bytes": formula[phase],
+                       "by hand: all-reduces": sum(b[f"{phase}_calls"] for b in by_hand.values()),
+                       "by hand: bytes": sum(b[f"{phase}_bytes"] for b in by_hand.values()),
+                       "DTensor: all-reduces": sum(1 for name, _ in calls if name == "all_reduce"),
+                       "DTensor: bytes": sum(n for name, n in calls if name == "all_reduce")}
+    table = pd.DataFrame(rows).T
+    table.loc["per layer"] = table.sum()
+    return table.astype(int)
+
+
+def loss_comparison(single_log: str | Path, tp_log: str | Path) -> pd.DataFrame:
+    """Step losses of one device and of the `tp` run, and their difference."""
+    one = pd.DataFrame(read_log(single_log)).set_index("step")["loss"]
+    tp = pd.DataFrame(read_log(tp_log)).set_index("step")["loss"]
+    return pd.DataFrame({"one device": one, "tp, 2 ranks": tp, "difference": (tp - one).abs()})
+
+
+def train_one_and_tp(overrides: Mapping, timeout_s: int = 300) -> dict[str, local.TrainJob]:
+    """The same full fine-tuning on one process (`single`) and on two tensor-parallel ranks (`tp`)."""
+    return {"single": local.launch_training("07_single", 1, {**overrides, "strategy": "single"},
+                                            timeout_s=timeout_s, echo=False),
+            "tp": local.launch_training("07_tp", 2, {**overrides, "strategy": "tp"}, timeout_s=timeout_s,
+                                        echo=False)}

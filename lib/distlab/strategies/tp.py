@@ -1,0 +1,123 @@
+"""Tensor parallelism (Megatron's split, with DTensor): every rank holds a slice of each decoder layer's
+projections and all ranks work on the same batch.
+
+What changes against one device: a 1-D device mesh of all ranks and, per decoder layer, a plan for
+`torch.distributed.tensor.parallel.parallelize_module`. q/k/v and gate/up are `ColwiseParallel` (each
+rank keeps a block of output features: whole attention heads, a block of the FFN width), o and down are
+`RowwiseParallel` (the matching block of input features): no communication between the two matmuls of a
+block, one all-reduce of the block's output in forward, and the mirror all-reduce of the block's input
+gradient in backward. The embedding, the norms and the LM head stay whole on every rank; they receive
+the same (already summed) gradients everywhere, so their updates stay identical without communication.
+
+The data is NOT split: every rank sees every row (data-parallel size 1), so the loop's token counts and
+loss need no sum over ranks. A rank computes the local heads of attention, which needs the key/value
+head count divisible by the world size (`check_tp_degree`). Full fine-tuning only: LoRA's wrappers hide
+the projections from the plan (`tp` refuses lora=true with one line). No periodic checkpoints yet
+(`tp` refuses checkpoint_steps: a sliced optimizer state needs torch.distributed.checkpoint, as fsdp
+writes it); `save_model` gathers the full weights and rank 0 writes a from_pretrained folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from distlab.device import DeviceChoice
+from distlab.strategies.base import DistributedStrategy, save_consolidated
+from distlab.strategies.split import decoder_layers
+
+# Megatron's pairs: the first matmul of a block split by output features, the second by input features
+LAYER_PLAN = {
+    "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel,
+}
+
+
+def check_tp_degree(config, tp: int) -> None:
+    """A rank holds whole heads, and every query head needs its key/value head on the same rank."""
+    kv, heads = config.num_key_value_heads, config.num_attention_heads
+    if kv % tp or heads % tp or config.intermediate_size % tp:
+        raise ValueError(f"tensor parallelism over {tp} ranks needs the key/value heads ({kv}), the attention "
+                         f"heads ({heads}) and the FFN width ({config.intermediate_size}) divisible by {tp}")
+
+
+def apply_tp_plan(model: torch.nn.Module, mesh) -> None:
+    """Split every decoder layer's projections over the mesh (in place)."""
+    check_tp_degree(model.causal_lm.config, mesh.size())
+    for layer in decoder_layers(model):
+        parallelize_module(layer, mesh, {name: style() for name, style in LAYER_PLAN.items()})
+
+
+class TPStrategy(DistributedStrategy):
+    name = "tp"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mesh = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1  # every rank sees every row
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return 0
+
+    def setup(self, cfg) -> None:
+        if cfg.lora:
+            raise ValueError("strategy 'tp' trains every weight: set lora=false (LoRA's wrappers hide the "
+                             "projections the tensor-parallel plan splits)")
+        if cfg.checkpoint_steps:
+            raise ValueError("strategy 'tp' writes no periodic checkpoints yet: set checkpoint_steps=0")
+        super().setup(cfg)
+        self.mesh = init_device_mesh("cuda" if self.backend == "nccl" else "cpu", (self.world_size,),
+                                     mesh_dim_names=("tp",))
+
+    def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
+        model = model.to(choice.device)
+        apply_tp_plan(model, self.mesh)
+        return model
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor  # one data-parallel replica: every rank already holds the whole step's counts and loss
+
+    def make_optimizer(self, model, lr: float, weight_decay: float, fused: bool = False):
+        # torch's multi-tensor AdamW cannot mix DTensor slices and plain tensors in one group: one per tensor
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, foreach=False)
+
+    def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
+        norm = global_grad_norm(model)
+        if norm > max_grad_norm:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(max_grad_norm / (norm + 1e-6))  # as clip_grad_norm_ scales
+        optimizer.step()
+        self.meter.state_point(model, optimizer)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
+        full = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+                for name, t in model.state_dict().items()}  # collective: every rank gathers
+        if self.is_main:
+            save_consolidated(model, full, path, tokenizer)
+        self.barrier()
+
+
+def global_grad_norm(model: torch.nn.Module) -> float:
+    """The gradient norm of the whole model: a sliced gradient counts its full tensor once."""
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            total += float(g.double().pow(2).sum())
+    return total ** 0.5

@@ -1,0 +1,168 @@
+"""Tensor parallelism (chapter 07): the `tp` strategy's registration, refusals and plan, the collective counter,
+the notebook's by-hand split (in one process, then under torchrun) and the `tp` run against one device."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab import paths
+from distlab.chapters import ch07
+from distlab.config import TrainConfig
+from distlab.launch import local
+from distlab.launch.spec import LaunchSpec
+from distlab.measure.collectives import CollectiveCounter
+from distlab.models import load_model
+from distlab.planning import memory, plan
+from distlab.strategies import make_strategy
+from distlab.strategies.tp import LAYER_PLAN, TPStrategy, check_tp_degree
+
+NOTEBOOK = paths.NOTEBOOKS_DIR / "07_tensor_parallel.ipynb"
+STAMP = {"device": "test", "model": "tiny", "world_size": 2, "commit": "x", "date": "today"}
+
+
+def notebook_scripts(folder) -> dict[str, str]:
+    """The notebook's `%%writefile {work}/NAME` cells, written to `folder`: {name: path}."""
+    written = {}
+    for cell in json.loads(NOTEBOOK.read_text())["cells"]:
+        src = "".join(cell["source"])
+        m = re.match(r"%%writefile \{work\}/(\S+)\n", src)
+        if cell["cell_type"] == "code" and m:
+            (folder / m.group(1)).write_text(src[m.end():])
+            written[m.group(1)] = str(folder / m.group(1))
+    return written
+
+
+def test_tp_is_registered_and_trains_on_one_data_parallel_replica():
+    strategy = make_strategy("tp")
+    assert isinstance(strategy, TPStrategy)
+    assert strategy.data_parallel_size == 1 and strategy.data_parallel_rank == 0
+    assert strategy.all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0], "every rank already holds the sums"
+
+
+def test_tp_refuses_lora_before_starting_a_process_group():
+    with pytest.raises(ValueError, match="lora=false"):
+        TPStrategy().setup(TrainConfig(strategy="tp", lora=True))
+    assert not dist.is_initialized()
+
+
+def test_the_tp_degree_must_divide_heads_key_value_heads_and_ffn():
+    tiny = load_model(None).config
+    check_tp_degree(tiny, 2)
+    with pytest.raises(ValueError, match="key/value heads \\(2\\)"):
+        check_tp_degree(tiny, 4)
+    qwen05 = SimpleNamespace(num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864)
+    with pytest.raises(ValueError):
+        check_tp_degree(qwen05, 4)
+
+
+def test_the_plan_names_every_projection_of_a_qwen2_layer():
+    layer = load_model(None).model.layers[0]
+    names = dict(layer.named_modules())
+    assert all(isinstance(names[n], torch.nn.Linear) for n in LAYER_PLAN)
+    assert [n for n, style in LAYER_PLAN.items() if style.__name__ == "RowwiseParallel"] == \
+        ["self_attn.o_proj", "mlp.down_proj"]
+
+
+def test_a_tp_launch_has_data_parallel_size_one():
+    spec = LaunchSpec(nproc_per_node=2, strategy="tp", micro_batch_size=4, global_batch_size=4)
+    assert spec.data_parallel_size == 1  # 4 rows per step on two TP ranks: no split of the batch to check
+
+
+def test_the_planner_slices_the_projections_only():
+    single = plan.plan_memory(memory.LLAMA2_7B, strategy="single")
+    tp = plan.plan_memory(memory.LLAMA2_7B, strategy="tp", world_size=2)
+    assert single.weights / 2 < tp.weights < single.weights * 0.55, "embedding and head stay whole"
+    assert tp.gradients == tp.weights, "full fine-tuning: a gradient for every weight a rank holds"
+
+
+def test_the_split_mlp_in_one_process_equals_the_whole_one():
+    mlp = load_model(None).model.layers[0].mlp
+    x = torch.randn(2, 8, mlp.gate_proj.in_features)
+    with torch.no_grad():
+        parts = [F.silu(x @ g.T) * (x @ u.T) @ d.T for g, u, d in zip(
+            mlp.gate_proj.weight.chunk(2, 0), mlp.up_proj.weight.chunk(2, 0), mlp.down_proj.weight.chunk(2, 1))]
+        assert (sum(parts) - mlp(x)).abs().max() < 1e-5
+
+
+def test_the_by_hand_blocks_on_one_rank_and_the_counter(tmp_path, monkeypatch):
+    """With one rank the split holds everything: the blocks must equal the whole ones, and the counter
+    sees one all-reduce of b x s x h per block forward and one backward."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    notebook_scripts(tmp_path)
+    import tp_by_hand
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = load_model(None)
+        layer = model.model.layers[0]
+        x = torch.randn(1, 8, model.config.hidden_size, requires_grad=True)
+        with CollectiveCounter() as forward:
+            out, slices = tp_by_hand.mlp_by_hand(layer.mlp, x)
+        with CollectiveCounter() as backward:
+            out.sum().backward()
+        assert (out - layer.mlp(x)).abs().max() < 1e-6 and set(slices) == {"gate_proj", "up_proj", "down_proj"}
+        assert forward.calls == [("all_reduce", x.numel() * 4)] == backward.calls
+    finally:
+        dist.destroy_process_group()
+        sys.modules.pop("tp_by_hand", None)
+
+
+def test_layer_bytes_table_sets_the_formula_beside_both_counts():
+    one = 2 * 64 * 256 * 4
+    by_hand = {b: {"forward_calls": 1, "backward_calls": 1, "forward_bytes": one, "backward_bytes": one}
+               for b in ("attention", "mlp")}
+    dtensor = {"forward": [["all_reduce", one]] * 2, "backward": [["all_reduce", one]] * 5}
+    table = ch07.layer_bytes(by_hand, dtensor, batch=2, seq=64, hidden=256)
+    assert table.loc["per layer", "formula: bytes"] == 4 * one == table.loc["per layer", "by hand: bytes"]
+    assert table.loc["backward", "DTensor: all-reduces"] == 5
+
+
+def test_the_idea_is_drawn(tmp_path):
+    assert ch07.draw_tensor_parallel(tmp_path / "tp.png", STAMP, load_model(None).config).exists()
+
+
+@pytest.mark.slow
+def test_the_notebook_scripts_match_one_device_under_torchrun(tmp_path):
+    scripts = notebook_scripts(tmp_path)
+    by_hand = ch07.run_script(scripts["check_by_hand.py"], nproc=2, timeout_s=300)
+    assert (ch07.differences(by_hand) < 1e-5).all().all()
+    assert all(b["forward_calls"] == b["backward_calls"] == 1 for b in by_hand.values())
+    dtensor = ch07.run_script(scripts["dtensor_layer.py"], nproc=2, timeout_s=300)
+    assert max(dtensor["output"], dtensor["input_grad"], dtensor["q_proj_grad"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_tp_training_has_the_loss_of_one_device(tmp_path):
+    common = {"lora": False, "max_steps": 3, "micro_batch_size": 2, "grad_accum": 1, "seq_len": 128, "lr": 1e-3,
+              "logging_steps": 1, "eval_at_start": False, "eval_at_end": False, "save_model": False}
+    single = local.launch_training("t07_single", 1, {**common, "strategy": "single"}, runs_dir=tmp_path,
+                                   scripts_dir=tmp_path, echo=False)
+    tp = local.launch_training("t07_tp", 2, {**common, "strategy": "tp", "save_model": True}, runs_dir=tmp_path,
+                               scripts_dir=tmp_path, echo=False)
+    losses = ch07.loss_comparison(single.log, tp.log)
+    assert len(losses) == 3 and losses["difference"].max() < 1e-5
+    saved = load_model(tp.output_dir / "model")  # rank 0 wrote whole weights, gathered from the slices
+    cfg = saved.config
+    assert saved.model.layers[0].mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size)
+
+
+def test_the_benchmark_refuses_runs_shorter_than_the_warm_up():
+    from distlab.bench import tensor_parallel
+
+    with pytest.raises(ValueError, match="warm-up"):
+        tensor_parallel.measure(steps=2, rounds=1)
+    assert tensor_parallel.RUNS == {1: "single", 2: "tp"} and not tensor_parallel.SETUP["measure_comm"]
+
+
+def test_tp_refuses_periodic_checkpoints_it_cannot_write_yet():
+    with pytest.raises(ValueError, match="checkpoint_steps=0"):
+        TPStrategy().setup(TrainConfig(strategy="tp", lora=False, checkpoint_steps=5))
+    assert not dist.is_initialized()
