@@ -56,9 +56,6 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
-        repeat = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     dropout_p = dropout if module.training else 0.0
     out_dtype = query.dtype
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
@@ -80,6 +77,9 @@ def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
         if half in (torch.float16, torch.bfloat16):
             out, _ = _flash_varlen(query.to(half), key.to(half), value.to(half), spans, scaling)
             return out, None
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     if all(len(row) == 1 for row in spans):  # one document per row: a single causal call
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=scaling, is_causal=True)
     else:
@@ -102,6 +102,7 @@ _VARLEN_PARAMETERS = inspect.signature(_varlen_attn).parameters if _varlen_attn 
 # PyTorch 2.10 says causal with is_causal=True; later versions with a (left, right) window, (-1, 0)
 _CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMETERS else {"is_causal": True}
 _VARLEN_TAKES_SCALE = "scale" in _VARLEN_PARAMETERS
+_VARLEN_TAKES_GQA = "enable_gqa" in _VARLEN_PARAMETERS
 _last_spans: tuple = (None, None)  # (position_ids, spans) of the forward in progress
 
 
@@ -126,7 +127,11 @@ def _flash_varlen_call(query, key, value, spans, scaling):
         return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim)
 
     scale = {"scale": scaling} if _VARLEN_TAKES_SCALE else {}  # 2.10 had none: always 1/sqrt(dim), Qwen2's too
-    out = _varlen_attn(flat(query), flat(key), flat(value), cu_seq, cu_seq, longest, longest, **scale, **_CAUSAL)
+    if key.shape[1] != heads and not _VARLEN_TAKES_GQA:  # older kernels want one key/value head per query head
+        key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
+    gqa = {"enable_gqa": True} if key.shape[1] != heads else {}  # the kernel shares each key/value head itself
+    out = _varlen_attn(flat(query), flat(key), flat(value), cu_seq, cu_seq, longest, longest, **scale, **gqa,
+                       **_CAUSAL)
     return out.view(batch, seq, heads, dim), None
 
 

@@ -105,13 +105,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         table, _ = measure(args.steps, args.rounds, runs_dir=Path(tmp))
         bound = ceiling(args.steps, args.rounds, runs_dir=Path(tmp) / "ceiling")["ceiling"]
-    for row in table.to_dict("records"):
-        print(f"world_size {int(row['world_size'])}: median tokens_per_s {row['tokens_per_s']:.0f} "
-              f"(rounds {row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f})")
+    print("\n".join(scaling_table.scaling_lines(table)))
     two = table.set_index("world_size").loc[2]
-    print(f"speedup {two['speedup']:.2f}, scaling_efficiency {two['scaling_efficiency']:.2f} "
-          f"(pairings of rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; "
-          f"target >= 0.90; warm-up: first {schema.WARMUP_STEPS} steps left out; timing hooks off)")
+    print("target scaling_efficiency >= 0.90; timing hooks off")
     print(f"ceiling {bound.median():.2f} (rounds {bound.min():.2f}-{bound.max():.2f}): two independent 1-rank runs at "
           f"once against one alone, the efficiency 2 ranks reach with no communication on this machine; DDP "
           f"reaches {two['scaling_efficiency'] / bound.median():.2f} of it")

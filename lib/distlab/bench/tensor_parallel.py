@@ -52,13 +52,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         table = measure(args.steps, args.rounds, runs_dir=Path(tmp))
-    for row in table.to_dict("records"):
-        print(f"{RUNS[int(row['world_size'])]} ({int(row['world_size'])} rank(s)): median tokens_per_s "
-              f"{row['tokens_per_s']:.0f} (rounds {row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f})")
-    two = table.set_index("world_size").loc[2]
-    print(f"tp / single: speedup {two['speedup']:.2f}, efficiency {two['scaling_efficiency']:.2f} (pairings of "
-          f"rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; warm-up: first "
-          f"{schema.WARMUP_STEPS} steps left out; one thread per rank)")
+    print("\n".join(scaling_table.scaling_lines(table, lambda k: f"{RUNS[k]} ({k} rank(s))")))
+    print("tp against single; one thread per rank")
     return 0
 
 

@@ -62,6 +62,19 @@ def scaling_over_rounds(runs: Mapping[int, Sequence[str | Path]]) -> pd.DataFram
     return pd.DataFrame(rows)[SCALING_COLUMNS[:4] + extra[:3] + SCALING_COLUMNS[4:6] + extra[3:] + SCALING_COLUMNS[6:]]
 
 
+def scaling_lines(table: pd.DataFrame, name_of=lambda k: f"world_size {k}") -> list[str]:
+    """What a scaling benchmark prints from `scaling_over_rounds`: each world size's median tokens/s with the
+    spread over rounds, then the 2-rank speedup and efficiency with the spread over pairings of rounds."""
+    lines = [f"{name_of(int(row['world_size']))}: median tokens_per_s {row['tokens_per_s']:.0f} "
+             f"(rounds {row['tokens_per_s_min']:.0f}-{row['tokens_per_s_max']:.0f})"
+             for row in table.to_dict("records")]
+    two = table.set_index("world_size").loc[2]
+    lines.append(f"speedup {two['speedup']:.2f}, scaling_efficiency {two['scaling_efficiency']:.2f} "
+                 f"(pairings of rounds: {two['scaling_efficiency_min']:.2f}-{two['scaling_efficiency_max']:.2f}; "
+                 f"warm-up: first {schema.WARMUP_STEPS} steps left out)")
+    return lines
+
+
 def comm_split(log_path: str | Path) -> dict[str, float]:
     """What a run's DDP comm hook measured per step (mean over ranks and steady steps): all-reduce calls,
     bytes, the wait for the slowest rank and the transfer itself (distlab.measure.comm.CommTimer)."""
