@@ -83,6 +83,37 @@ def test_the_planner_slices_the_projections_only():
     assert tp.gradients == tp.weights, "full fine-tuning: a gradient for every weight a rank holds"
 
 
+def test_fsdp_tp_refuses_lora_and_a_tp_size_that_leaves_one_group():
+    from distlab.launch.spec import LaunchSpecError
+    from distlab.strategies.fsdp_tp import FSDPxTPStrategy
+
+    with pytest.raises(ValueError, match="'fsdp_tp' trains every weight"):
+        FSDPxTPStrategy().setup(TrainConfig(strategy="fsdp_tp", lora=True))
+    assert not dist.is_initialized()
+    with pytest.raises(LaunchSpecError, match="at least two tp groups"):
+        LaunchSpec(nproc_per_node=2, strategy="fsdp_tp")
+    with pytest.raises(LaunchSpecError, match="only for the tensor-parallel strategies"):
+        LaunchSpec(nproc_per_node=2, strategy="ddp", tp_size=2)
+    with pytest.raises(LaunchSpecError, match="needs fsdp_tp"):
+        LaunchSpec(nproc_per_node=4, strategy="tp", tp_size=2)
+    two_d = LaunchSpec(nproc_per_node=4, strategy="fsdp_tp", micro_batch_size=2, global_batch_size=4)
+    assert two_d.data_parallel_size == 2, "the two tp groups take different rows"
+
+
+def test_the_2d_planner_cuts_projections_four_ways_and_the_rest_two_ways():
+    config = load_model(None).config
+    single = plan.plan_memory(config, strategy="single", dtype="fp32")
+    fsdp = plan.plan_memory(config, strategy="fsdp", world_size=2, dtype="fp32")
+    two_d = plan.plan_memory(config, strategy="fsdp_tp", world_size=4, dtype="fp32")
+    projections = sum(p.numel() for n, p in load_model(None).named_parameters() if any(
+        f".{k}." in f".{n}." for k in plan.TP_SPLIT)) * 4
+    expected = (single.weights - projections) / 2 + projections / 4
+    assert abs(two_d.weights - expected) / expected < 0.01
+    assert single.weights / 4 < two_d.weights < fsdp.weights
+    with pytest.raises(ValueError, match="not a multiple of tp_size"):
+        plan.plan_memory(config, strategy="fsdp_tp", world_size=3, dtype="fp32")
+
+
 def test_the_split_mlp_in_one_process_equals_the_whole_one():
     mlp = load_model(None).model.layers[0].mlp
     x = torch.randn(2, 8, mlp.gate_proj.in_features)

@@ -16,7 +16,8 @@ from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
 
 # The one list of strategies (distlab.strategies maps each name to its class; the launcher and the
 # planner read the names here, without importing torch).
-STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "pipeline", "ds_pipeline", "tp")
+STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "pipeline", "ds_pipeline", "tp",
+                                   "fsdp_tp")
 PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
 
 # DeepSpeed settings distlab's DeepSpeed config uses, which the memory planner plans with too.
@@ -92,6 +93,8 @@ class TrainConfig:
     pipeline_stages: int | None = None  # pipeline/ds_pipeline: stages (None: one per rank; pure pipeline)
     pipeline_schedule: str = "1f1b"  # pipeline: "1f1b" | "gpipe" (ds_pipeline always runs DeepSpeed's 1F1B)
     stage_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None: balanced by count
+    # tensor parallelism (chapter 07): ranks per tensor-parallel group; None: all ranks (tp), 2 (fsdp_tp)
+    tp_size: int | None = None
     # fault tolerance
     checkpoint_steps: int = 0  # 0: no periodic checkpoints
     keep_checkpoints: int = 2
@@ -272,7 +275,7 @@ RULES = {
     "rank_shares": (lambda v: len(v) > 0 and min(v) > 0, "a non-empty list of positive numbers"),
     "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe"),
     "stage_layers": (lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of layer counts >= 1"),
-    "checkpoint_steps": _at_least(0), "keep_checkpoints": _at_least(1),
+    "tp_size": _at_least(1), "checkpoint_steps": _at_least(0), "keep_checkpoints": _at_least(1),
     "resume": (lambda v: True, "true, false or force"),
     "output_dir": (lambda v: v.strip() != "", "a folder path"), "logging_steps": _at_least(1),
 }

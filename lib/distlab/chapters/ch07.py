@@ -1,5 +1,6 @@
 """Chapter 07 (tensor parallelism): Megatron's split drawn, the by-hand and DTensor results set side by side,
-the bytes a layer all-reduces against the formula, and the loss of a `tp` run against one device."""
+the bytes a layer all-reduces against the formula, the loss of a `tp` run against one device, and the 2-D
+(FSDP x TP) mesh drawn, run on 4 ranks and its per-rank bytes set against the planner."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from distlab import paths
 from distlab.chapters.ch02 import result_line, torchrun_module_or_script
 from distlab.launch import local
 from distlab.metrics import read_log
+from distlab.planning.memory import state_vs_plan
 from distlab.provenance import save_figure
+from distlab.results.extract import collect_run
 
 RANK_COLORS = ("C0", "C1")
 
@@ -80,6 +83,42 @@ def draw_tensor_parallel(path: str | Path, provenance: dict, config, tp: int = 2
     return out
 
 
+def draw_mesh_2d(path: str | Path, provenance: dict, dp: int = 2, tp: int = 2) -> Path:
+    """The (dp, tp) device mesh of FSDP x TP: rank = dp index x tp + tp index. Along a row (a tp group) the
+    ranks hold different slices of each layer and all-reduce activations every block; down a column (a dp
+    group) they hold different FSDP shards of the same slice, all-gather it before use and reduce-scatter
+    its gradient, and take different rows of the batch."""
+    right = 4.0 * tp + 0.2
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 2.1 * dp))
+    ax.set(xlim=(0, right + 3.4), ylim=(-0.9, 2.4 * dp))
+    for d in range(dp):
+        y = 2.4 * (dp - 1 - d)
+        ax.add_patch(Rectangle((0.2, y - 0.15), right - 0.2, 1.8, fc="none", ec="grey", ls="--"))
+        for t in range(tp):
+            x = 0.4 + 4.0 * t
+            ax.add_patch(Rectangle((x, y), 2.6, 1.5, fc=RANK_COLORS[t % 2], alpha=0.3, ec="k"))
+            ax.text(x + 1.3, y + 1.05, f"rank {d * tp + t}", ha="center", weight="bold", fontsize=9)
+            ax.text(x + 1.3, y + 0.45, f"TP slice {t} of each projection,\nFSDP shard {d} of that slice",
+                    ha="center", va="center", fontsize=7)
+            if t:
+                ax.annotate("", (x, y + 0.75), (x - 1.4, y + 0.75), arrowprops=dict(arrowstyle="<->", color="C3",
+                                                                                    lw=2))
+        ax.text(right + 0.2, y + 0.75, f"node {d} = tp group {d}:\nall-reduce of activations (every\n"
+                f"block, every micro-batch);\nits own rows of the batch", fontsize=7, color="C3", va="center")
+    for t in range(tp):
+        x = 1.7 + 4.0 * t
+        ax.annotate("", (x, 1.5 + 0.02), (x, 2.4 - 0.17), arrowprops=dict(arrowstyle="<->", color="C2", lw=2))
+        ax.text(x + 0.15, 1.95, f"dp group {t}: all-gather weights,\nreduce-scatter gradients", fontsize=7,
+                color="C2", va="center")
+    ax.text(right / 2, -0.6, f"{dp * tp} ranks as a {dp} x {tp} mesh (dp, tp): tp inside a node, on its fast "
+            "link; dp across nodes", ha="center", fontsize=8)
+    ax.axis("off")
+    fig.tight_layout()
+    out = save_figure(fig, path, provenance)
+    plt.close(fig)
+    return out
+
+
 # ---------------------------------------------------------------- tables
 
 
@@ -125,11 +164,12 @@ def layer_bytes(by_hand: Mapping, dtensor: Mapping, batch: int, seq: int, hidden
     return table.astype(int)
 
 
-def loss_comparison(single_log: str | Path, tp_log: str | Path) -> pd.DataFrame:
-    """Step losses of one device and of the `tp` run, and their difference."""
+def loss_comparison(single_log: str | Path, tp_log: str | Path, label: str = "tp, 2 ranks") -> pd.DataFrame:
+    """Step losses of one device and of a split run (the steps both ran), and their difference."""
     one = pd.DataFrame(read_log(single_log)).set_index("step")["loss"]
     tp = pd.DataFrame(read_log(tp_log)).set_index("step")["loss"]
-    return pd.DataFrame({"one device": one, "tp, 2 ranks": tp, "difference": (tp - one).abs()})
+    one = one.loc[one.index.isin(tp.index)]
+    return pd.DataFrame({"one device": one, label: tp, "difference": (tp - one).abs()})
 
 
 def train_one_and_tp(overrides: Mapping, timeout_s: int = 300) -> dict[str, local.TrainJob]:
@@ -138,3 +178,16 @@ def train_one_and_tp(overrides: Mapping, timeout_s: int = 300) -> dict[str, loca
                                             timeout_s=timeout_s, echo=False),
             "tp": local.launch_training("07_tp", 2, {**overrides, "strategy": "tp"}, timeout_s=timeout_s,
                                         echo=False)}
+
+
+def train_2d(overrides: Mapping, world_size: int = 4, tp_size: int = 2, timeout_s: int = 300) -> local.TrainJob:
+    """The same fine-tuning as `fsdp_tp` on a (world / tp, tp) mesh, recording each rank's state bytes."""
+    return local.launch_training("07_fsdp_tp", world_size, {**overrides, "strategy": "fsdp_tp", "tp_size": tp_size,
+                                                            "measure_state": True}, timeout_s=timeout_s, echo=False)
+
+
+def state_2d_against_plan(job: local.TrainJob, config) -> pd.DataFrame:
+    """Each rank's measured weight, gradient and optimizer bytes against the planner's, in MiB."""
+    table = state_vs_plan([collect_run(job.output_dir)], config)
+    table = table[table["component"] != "adapter_weights"]
+    return table.pivot_table(index="rank", columns="component", values=["measured_mib", "planned_mib"]).round(3)

@@ -89,9 +89,13 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
     if len(stage_counts) > 1:
         raise ValueError(f"{name}: the runs of one launch must use one pipeline stage count, "
                          f"got {sorted(stage_counts)}")
+    tp_sizes = {r.get("tp_size") for r in runs if r.get("strategy") == "fsdp_tp"}
+    if len(tp_sizes) > 1:
+        raise ValueError(f"{name}: the runs of one launch must use one tp_size, got {sorted(tp_sizes, key=str)}")
     what = f"{len(variants)} runs of distlab.train" if variants else "distlab.train"
     return LaunchSpec(module="distlab.train", args=args, nproc_per_node=world_size, max_restarts=max_restarts,
                       pipeline_stages=stage_counts.pop() if stage_counts else None,
+                      tp_size=tp_sizes.pop() if tp_sizes else None,
                       env=env, log_dir=str(output_dir / "torchrun"), timeout_s=timeout_s, kill_after_s=45,
                       python=sys.executable, description=f"{name}: {what} on {world_size} local rank(s)")
 

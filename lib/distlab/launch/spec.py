@@ -68,6 +68,7 @@ class LaunchSpec:
     kill_after_s: int = 60  # then SIGKILL this long after the SIGTERM
     strategy: str | None = None  # for validation; None: read `--set strategy=X` from args if any
     pipeline_stages: int | None = None  # pipeline only: the world splits into data-parallel groups of it
+    tp_size: int | None = None  # fsdp_tp: ranks per tensor-parallel group (default 2); tp: all ranks
     global_batch_size: int | None = None  # with micro_batch_size: must divide by micro x data-parallel size
     micro_batch_size: int | None = None
     python: str = "python"  # the interpreter; $PYTHON in the caller's environment overrides it
@@ -94,6 +95,8 @@ class LaunchSpec:
             return self.world_size // self.pipeline_stages
         if self.effective_strategy == "tp":
             return 1  # tensor parallelism: every rank sees every row
+        if self.effective_strategy == "fsdp_tp":
+            return self.world_size // (self.tp_size or 2)  # the ranks of one tp group see the same rows
         return self.world_size
 
     @property
@@ -249,6 +252,15 @@ class LaunchSpec:
                                                          f"{self.pipeline_stages} stages")
         elif self.pipeline_stages is not None:
             raise LaunchSpecError("pipeline_stages", f"only for the pipeline strategies, not {strategy!r}")
+        if self.tp_size is not None:
+            _check_int("tp_size", self.tp_size, minimum=1)
+            if strategy == "tp" and self.tp_size != world:
+                raise LaunchSpecError("tp_size", f"'tp' splits over all {world} ranks; {self.tp_size} needs fsdp_tp")
+            if strategy not in ("tp", "fsdp_tp"):
+                raise LaunchSpecError("tp_size", f"only for the tensor-parallel strategies, not {strategy!r}")
+        if strategy == "fsdp_tp" and (world % (self.tp_size or 2) or world == (self.tp_size or 2)):
+            raise LaunchSpecError("tp_size", f"fsdp_tp needs the world size ({world}) a multiple of the tp size "
+                                             f"({self.tp_size or 2}) with at least two tp groups")
         if self.micro_batch_size is not None:
             _check_int("micro_batch_size", self.micro_batch_size, minimum=1)
         if self.global_batch_size is not None:

@@ -105,7 +105,9 @@ def state_vs_plan(runs: Iterable[Mapping[int, Mapping[str, Any]]], config, *, dt
                 raise ValueError(f"run {rec.get('run')} rank {rank}: no state_bytes (run it with measure_state=True)")
             plan = plan_memory(config, strategy=rec["strategy"], world_size=rec["world_size"], rank=rank,
                                dtype=dtype, lora_r=rec.get("lora_r") if rec["mode"] == "lora" else None,
-                               lora_targets=lora_targets or LORA_TARGETS)
+                               lora_targets=lora_targets or LORA_TARGETS,
+                               tp_size=rec["world_size"] // rec["data_parallel_size"] if rec["strategy"] == "fsdp_tp"
+                               else None)
             for part in STATE_PARTS:
                 m, p = measured[part], getattr(plan, part)
                 rows.append({"strategy": rec["strategy"], "mode": rec["mode"], "world_size": rec["world_size"],

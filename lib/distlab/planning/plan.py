@@ -172,6 +172,7 @@ class PlanSetup:
     stage_layers: Sequence[int] | None
     grad_accum: int
     zero3_persistence_threshold: int
+    tp_size: int = 1  # fsdp_tp: ranks per tensor-parallel group
 
     def __post_init__(self) -> None:
         self.trained = [p for p in self.layout if p.trainable]
@@ -314,8 +315,33 @@ def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     return b
 
 
+def plan_fsdp_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
+    """FSDP x TP on a (world / tp, tp) mesh: each projection cut in tp slices (as plan_tp), then every tensor,
+    slice or whole, cut in dp dim-0 shards by FSDP (as plan_fsdp); buffers: the root and a gathered layer
+    and its prefetched successor, each only the rank's tp slice of it."""
+    tp = s.tp_size
+    dp = s.world_size // tp
+
+    def held(p):
+        tp_split = any(f".{n}." in f".{p.name}." for n in TP_SPLIT)
+        return _chunk(_chunk(p.numel, tp), dp) if tp_split else _fsdp_shard(p, dp)
+
+    def gathered(p):
+        return _chunk(p.numel, tp) if any(f".{n}." in f".{p.name}." for n in TP_SPLIT) else p.numel
+
+    held_t = sum(held(p) for p in s.trained)
+    w, a = s.split(sum(held(p) for p in s.frozen) * s.weight_bytes, held_t * s.trainable_bytes)
+    b = MemoryBreakdown(w, a, held_t * s.trainable_bytes, held_t * s.moment_bytes, s.activations)
+    layer = [p for p in s.layout if layer_index(p) == 0]
+    root = [p for p in s.layout if layer_index(p) is None]
+    compute_b = min(s.weight_bytes, s.activation_bytes) if s.weight_bytes >= 2 else 2
+    b.buffers = (sum(p.numel for p in root) + 2 * sum(gathered(p) for p in layer)) * compute_b
+    b.notes.append(f"projections sliced over tp={tp} ranks, then every tensor sharded over dp={dp} groups")
+    return b
+
+
 PLANNERS = {"single": plan_single, "ddp": plan_ddp, "fsdp": plan_fsdp, "zero2": plan_zero2, "zero3": plan_zero3,
-            "pipeline": plan_pipeline, "ds_pipeline": plan_pipeline, "tp": plan_tp}
+            "pipeline": plan_pipeline, "ds_pipeline": plan_pipeline, "tp": plan_tp, "fsdp_tp": plan_fsdp_tp}
 REPLICATED = ("single", "ddp")  # every rank holds the same: plan rank 0 only
 
 
@@ -326,7 +352,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                 activation_bytes: float | None = None, lora_dropout: float = 0.0, loss_token_fraction: float = 1.0,
                 pipeline_stages: int | None = None, stage_layers: Sequence[int] | None = None, grad_accum: int = 1,
                 offload_optimizer: bool = False, zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
-                rank: int | None = None) -> MemoryBreakdown:
+                rank: int | None = None, tp_size: int | None = None) -> MemoryBreakdown:
     """Predicted bytes one rank holds while training `config` with `strategy` on `world_size` ranks.
 
     config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: one the trainer
@@ -355,12 +381,17 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                     in flight (1F1B: stages - stage index).
       tp            each decoder layer's projections cut in `world` slices (strategies.tp's plan); embedding,
                     norms and LM head whole on every rank (full fine-tuning).
+      fsdp_tp       the projections cut in `tp_size` slices (default 2), then every tensor sharded by FSDP
+                    over the world / tp_size groups.
     """
     if strategy not in PLANNERS:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_NAMES)}")
     if strategy == "single":
         world_size = 1
     stages = pipeline_stages or world_size
+    tp = tp_size or (2 if strategy == "fsdp_tp" else world_size)
+    if strategy == "fsdp_tp" and world_size % tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp}")
     if strategy in PIPELINE_STRATEGIES and world_size % stages:
         raise ValueError(f"world_size {world_size} is not a multiple of pipeline_stages {stages}")
     prec = resolve_precision(strategy, dtype, lora=bool(lora_r), optimizer=optimizer, weight_bytes=weight_bytes,
@@ -379,7 +410,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                                               lora_r, targets, lora_dropout, loss_token_fraction),
         activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
-        zero3_persistence_threshold=zero3_persistence_threshold)
+        zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp)
     planner = PLANNERS[strategy]
     if strategy in REPLICATED:
         return planner(setup, 0)

@@ -68,13 +68,20 @@ class TPStrategy(DistributedStrategy):
     def data_parallel_rank(self) -> int:
         return 0
 
-    def setup(self, cfg) -> None:
+    @staticmethod
+    def refuse_what_tp_cannot_do(name: str, cfg) -> None:
         if cfg.lora:
-            raise ValueError("strategy 'tp' trains every weight: set lora=false (LoRA's wrappers hide the "
+            raise ValueError(f"strategy {name!r} trains every weight: set lora=false (LoRA's wrappers hide the "
                              "projections the tensor-parallel plan splits)")
         if cfg.checkpoint_steps:
-            raise ValueError("strategy 'tp' writes no periodic checkpoints yet: set checkpoint_steps=0")
+            raise ValueError(f"strategy {name!r} writes no periodic checkpoints yet: set checkpoint_steps=0")
+
+    def setup(self, cfg) -> None:
+        self.refuse_what_tp_cannot_do(self.name, cfg)
         super().setup(cfg)
+        if cfg.tp_size not in (None, self.world_size):
+            raise ValueError(f"strategy 'tp' splits over all {self.world_size} ranks: tp_size={cfg.tp_size} "
+                             "needs strategy fsdp_tp (tensor parallelism inside groups, FSDP across them)")
         self.mesh = init_device_mesh("cuda" if self.backend == "nccl" else "cpu", (self.world_size,),
                                      mesh_dim_names=("tp",))
 
