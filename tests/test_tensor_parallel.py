@@ -47,10 +47,21 @@ def test_tp_is_registered_and_trains_on_one_data_parallel_replica():
     assert strategy.all_reduce_sum(torch.ones(2)).tolist() == [1.0, 1.0], "every rank already holds the sums"
 
 
-def test_tp_refuses_lora_before_starting_a_process_group():
-    with pytest.raises(ValueError, match="lora=false"):
-        TPStrategy().setup(TrainConfig(strategy="tp", lora=True))
-    assert not dist.is_initialized()
+def test_under_lora_the_plan_splits_the_base_layer_and_the_factor_on_the_split_side():
+    from distlab.prepare import apply_lora
+    from distlab.strategies.tp import layer_plan
+
+    cfg = TrainConfig(lora=True, lora_targets=["q_proj", "o_proj", "down_proj"])
+    layer = apply_lora(load_model(None), cfg).base_model.model.model.layers[0]
+    styles = {name: type(style).__name__ for name, style in layer_plan(layer).items()}
+    assert styles["self_attn.q_proj.base_layer"] == styles["self_attn.q_proj.lora_B.default"] == "ColwiseParallel"
+    assert styles["self_attn.o_proj.base_layer"] == styles["self_attn.o_proj.lora_A.default"] == "RowwiseParallel"
+    assert styles["mlp.down_proj.lora_A.default"] == "RowwiseParallel"
+    assert styles["self_attn.k_proj"] == "ColwiseParallel", "a projection LoRA leaves alone is split as before"
+    assert not any(k.endswith(("q_proj.lora_A.default", "o_proj.lora_B.default")) for k in styles), "kept whole"
+    names = [f"model.layers.0.{n}.weight" for n in ("self_attn.q_proj.lora_A", "self_attn.q_proj.lora_B",
+                                                     "mlp.down_proj.lora_A", "mlp.down_proj.lora_B", "input_layernorm")]
+    assert [n for n in names if plan.tp_sliced(n)] == [names[1], names[2]]
 
 
 def test_the_tp_degree_must_divide_heads_key_value_heads_and_ffn():
@@ -83,12 +94,12 @@ def test_the_planner_slices_the_projections_only():
     assert tp.gradients == tp.weights, "full fine-tuning: a gradient for every weight a rank holds"
 
 
-def test_fsdp_tp_refuses_lora_and_a_tp_size_that_leaves_one_group():
+def test_fsdp_tp_refuses_checkpoints_and_a_tp_size_that_leaves_one_group():
     from distlab.launch.spec import LaunchSpecError
     from distlab.strategies.fsdp_tp import FSDPxTPStrategy
 
-    with pytest.raises(ValueError, match="'fsdp_tp' trains every weight"):
-        FSDPxTPStrategy().setup(TrainConfig(strategy="fsdp_tp", lora=True))
+    with pytest.raises(ValueError, match="checkpoint_steps=0"):
+        FSDPxTPStrategy().setup(TrainConfig(strategy="fsdp_tp", checkpoint_steps=5))
     assert not dist.is_initialized()
     with pytest.raises(LaunchSpecError, match="at least two tp groups"):
         LaunchSpec(nproc_per_node=2, strategy="fsdp_tp")

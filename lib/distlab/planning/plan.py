@@ -299,14 +299,29 @@ def plan_pipeline(s: PlanSetup, rank: int) -> MemoryBreakdown:
 
 
 TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # strategies.tp's plan
+TP_ROWWISE = ("o_proj", "down_proj")
+
+
+def tp_sliced(name: str) -> bool:
+    """Whether strategies.tp's plan cuts this tensor: the projections (weights and biases), and of a LoRA
+    adapter the factor on the split side (lora_B of a column-parallel projection, lora_A of a row-parallel one)."""
+    for proj in TP_SPLIT:
+        if f".{proj}." in f".{name}.":
+            if ".lora_A." in name:
+                return proj in TP_ROWWISE
+            if ".lora_B." in name:
+                return proj not in TP_ROWWISE
+            return True
+    return False
 
 
 def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
-    """Tensor parallelism (full fine-tuning): every decoder layer's projections (and the q/k/v biases) cut
-    in `world` slices; embedding, norms and LM head whole on every rank. Activations are planned whole (the
-    layer inputs and outputs are; only the per-head and FFN-width ones are sliced)."""
+    """Tensor parallelism: every decoder layer's projections (and the q/k/v biases, and one LoRA factor of each
+    adapted projection: `tp_sliced`) cut in `world` slices; embedding, norms and LM head whole on every rank.
+    Activations are planned whole (the layer inputs and outputs are; only the per-head and FFN-width ones
+    are sliced)."""
     def held(p):
-        return _chunk(p.numel, s.world_size) if any(f".{n}." in f".{p.name}." for n in TP_SPLIT) else p.numel
+        return _chunk(p.numel, s.world_size) if tp_sliced(p.name) else p.numel
 
     held_t = sum(held(p) for p in s.trained)
     w, a = s.split(sum(held(p) for p in s.frozen) * s.weight_bytes, held_t * s.trainable_bytes)
@@ -323,11 +338,10 @@ def plan_fsdp_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     dp = s.world_size // tp
 
     def held(p):
-        tp_split = any(f".{n}." in f".{p.name}." for n in TP_SPLIT)
-        return _chunk(_chunk(p.numel, tp), dp) if tp_split else _fsdp_shard(p, dp)
+        return _chunk(_chunk(p.numel, tp), dp) if tp_sliced(p.name) else _fsdp_shard(p, dp)
 
     def gathered(p):
-        return _chunk(p.numel, tp) if any(f".{n}." in f".{p.name}." for n in TP_SPLIT) else p.numel
+        return _chunk(p.numel, tp) if tp_sliced(p.name) else p.numel
 
     held_t = sum(held(p) for p in s.trained)
     w, a = s.split(sum(held(p) for p in s.frozen) * s.weight_bytes, held_t * s.trainable_bytes)
@@ -379,8 +393,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
       pipeline,     layers divided over `pipeline_stages` stages (first stage: embedding, last: norm
       ds_pipeline   and LM head), DDP across world / stages replicas; activations of the micro-batches
                     in flight (1F1B: stages - stage index).
-      tp            each decoder layer's projections cut in `world` slices (strategies.tp's plan); embedding,
-                    norms and LM head whole on every rank (full fine-tuning).
+      tp            each decoder layer's projections cut in `world` slices (strategies.tp's plan; with LoRA,
+                    one factor of each adapter too); embedding, norms and LM head whole on every rank.
       fsdp_tp       the projections cut in `tp_size` slices (default 2), then every tensor sharded by FSDP
                     over the world / tp_size groups.
     """

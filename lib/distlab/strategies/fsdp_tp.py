@@ -9,7 +9,7 @@ and gradients reduce-scattered across the dp groups. On GPU clusters tp stays in
 all-reduces sit on the critical path of every layer) and dp spans nodes.
 
 The loop's token counts and loss are summed over the dp group only: the tp ranks of a group hold the
-same rows. Full fine-tuning only, no periodic checkpoints yet (as `tp`).
+same rows. LoRA as `tp` splits it; no periodic checkpoints yet (as `tp`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ the same (already summed) gradients everywhere, so their updates stay identical 
 
 The data is NOT split: every rank sees every row (data-parallel size 1), so the loop's token counts and
 loss need no sum over ranks. A rank computes the local heads of attention, which needs the key/value
-head count divisible by the world size (`check_tp_degree`). Full fine-tuning only: LoRA's wrappers hide
-the projections from the plan (`tp` refuses lora=true with one line). No periodic checkpoints yet
+head count divisible by the world size (`check_tp_degree`). With LoRA the plan splits each wrapped
+projection's frozen base layer and the adapter factor on the same side (`layer_plan`). No periodic checkpoints yet
 (`tp` refuses checkpoint_steps: a sliced optimizer state needs torch.distributed.checkpoint, as fsdp
 writes it); `save_model` gathers the full weights and rank 0 writes a from_pretrained folder.
 """
@@ -46,11 +46,30 @@ def check_tp_degree(config, tp: int) -> None:
                          f"heads ({heads}) and the FFN width ({config.intermediate_size}) divisible by {tp}")
 
 
+def layer_plan(layer: torch.nn.Module) -> dict:
+    """LAYER_PLAN for one decoder layer. A projection LoRA wraps (PEFT's lora.Linear) is split through its
+    frozen `base_layer`, and its adapter so that it adds to the same slice: a column-parallel projection's
+    lora_B is column-parallel (its lora_A, whole, sees the whole input), a row-parallel one's lora_A is
+    row-parallel (it reads this rank's input features; its r outputs are summed, and lora_B, whole, maps
+    them to the whole output)."""
+    modules = dict(layer.named_modules())
+    plan = {}
+    for name, style in LAYER_PLAN.items():
+        if f"{name}.base_layer" not in modules:
+            plan[name] = style()
+            continue
+        factor = "lora_B" if style is ColwiseParallel else "lora_A"
+        plan[f"{name}.base_layer"] = style()
+        for adapter in modules[f"{name}.{factor}"]:  # a ModuleDict: one Linear per adapter name
+            plan[f"{name}.{factor}.{adapter}"] = style()
+    return plan
+
+
 def apply_tp_plan(model: torch.nn.Module, mesh) -> None:
-    """Split every decoder layer's projections over the mesh (in place)."""
+    """Split every decoder layer's projections (and their LoRA adapters) over the mesh (in place)."""
     check_tp_degree(model.causal_lm.config, mesh.size())
     for layer in decoder_layers(model):
-        parallelize_module(layer, mesh, {name: style() for name, style in LAYER_PLAN.items()})
+        parallelize_module(layer, mesh, layer_plan(layer))
 
 
 class TPStrategy(DistributedStrategy):
@@ -70,9 +89,6 @@ class TPStrategy(DistributedStrategy):
 
     @staticmethod
     def refuse_what_tp_cannot_do(name: str, cfg) -> None:
-        if cfg.lora:
-            raise ValueError(f"strategy {name!r} trains every weight: set lora=false (LoRA's wrappers hide the "
-                             "projections the tensor-parallel plan splits)")
         if cfg.checkpoint_steps:
             raise ValueError(f"strategy {name!r} writes no periodic checkpoints yet: set checkpoint_steps=0")
 
