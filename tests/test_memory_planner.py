@@ -234,3 +234,15 @@ def test_recommendation_is_a_decision_rendered_as_prose():
     assert decision.option("fsdp").comm_s > decision.max_comm_s  # why the tree did not stop at sharding
     rec = memory.recommend(memory.LLAMA2_7B, lan, lora_r=16, lora_targets=["q_proj", "v_proj"])
     assert rec.reasoning == advice.explain(decision) and len(rec.candidates) == len(decision.options)
+
+
+def test_on_a_fast_link_the_recommender_tries_tensor_parallelism_in_pairs_when_sharding_alone_does_not_fit():
+    four = [{"name": "A100", "memory_gb": 40}] * 4
+    kwargs = dict(lora_r=None, seq_len=4096, micro_batch=1, activation_checkpointing=False)
+    fast = advice.decide(memory.LLAMA2_7B, four, link_gbit=400, **kwargs)
+    assert fast.outcome == "tp_fits" and fast.chosen.strategy == "fsdp_tp" and fast.outcome in advice.OUTCOMES
+    assert not fast.option("fsdp").fits_every_gpu and fast.chosen.fits_every_gpu
+    assert fast.chosen.plan.activations < fast.option("fsdp").plan.activations, "TP slices heads' and FFN activations"
+    assert "keep each pair on one node" in advice.explain(fast)[-1]
+    slow = advice.decide(memory.LLAMA2_7B, four, link_gbit=1, **kwargs)
+    assert all(o.strategy != "fsdp_tp" for o in slow.options), "over a LAN, per-layer all-reduces are not offered"

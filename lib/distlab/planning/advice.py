@@ -14,25 +14,29 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from distlab.config import PIPELINE_STRATEGIES
-from distlab.planning.plan import plan_memory
-from distlab.planning.shapes import parameter_count, parameter_layout
+from distlab.planning.plan import plan_memory, tp_sliced
+from distlab.planning.shapes import config_value, parameter_count, parameter_layout
 from distlab.results.schema import MemoryBreakdown
 
 GIB = 1024**3
+FAST_LINK_GBIT = 100.0  # NVLink, InfiniBand: fast enough for tensor parallelism's per-layer all-reduces
 # The LAN-cluster seed's three GPUs (memory in GiB, as GPU makers count it).
 LAN_CLUSTER = [{"name": "RTX 5070 Ti", "memory_gb": 12}, {"name": "RTX 4070", "memory_gb": 8},
                {"name": "RTX 3070 Ti", "memory_gb": 8}]
 
 
 def communication_bytes(config, strategy: str, world_size: int, *, lora_r: int | None = None, lora_targets=None,
-                        weight_bytes: float = 2, grad_bytes: float = 4) -> float:
+                        weight_bytes: float = 2, grad_bytes: float = 4, tokens: int = 2048,
+                        activation_bytes: float = 2, tp_size: int = 2) -> float:
     """Bytes each rank sends per optimizer step (ring collectives: (k-1)/k of the buffer per pass).
 
     ddp (and the pipelines' data-parallel replicas): one all-reduce of the trained gradients (2
     passes). zero2: a reduce-scatter of the gradients and an all-gather of the updated trained
     weights: the same volume. fsdp / zero3: every weight is all-gathered twice (forward and backward,
     in the compute dtype), plus a reduce-scatter of the gradients; with LoRA that still means
-    all-gathering the frozen base model at every step."""
+    all-gathering the frozen base model at every step. fsdp_tp: FSDP's volume over the world / tp_size
+    groups for each rank's 1/tp_size of the projections, plus tensor parallelism's 4 all-reduces of
+    activations per decoder layer (2 forward, 2 backward) of `tokens` x hidden values each."""
     k = world_size
     if k <= 1:
         return 0.0
@@ -46,7 +50,22 @@ def communication_bytes(config, strategy: str, world_size: int, *, lora_r: int |
         return ring * trained * grad_bytes + ring * trained * weight_bytes
     if strategy in ("fsdp", "zero3"):
         return 2 * ring * every * weight_bytes + ring * trained * grad_bytes
+    if strategy == "fsdp_tp":
+        dp, tp = k // tp_size, tp_size
+        held = [p.numel / tp if tp_sliced(p.name) else p.numel for p in layout]
+        held_trained = sum(h for h, p in zip(held, layout) if p.trainable)
+        dp_ring = (dp - 1) / dp
+        fsdp = 2 * dp_ring * sum(held) * weight_bytes + dp_ring * held_trained * grad_bytes
+        layers, hidden = config_value(config, "num_hidden_layers"), config_value(config, "hidden_size")
+        activations = 4 * layers * tokens * hidden * activation_bytes
+        return fsdp + 2 * (tp - 1) / tp * activations
     return 0.0
+
+
+def _tp_degree_fits(config, tp: int) -> bool:
+    """strategies.tp.check_tp_degree's rule, without importing torch: whole heads and FFN blocks per rank."""
+    return all(config_value(config, key) % tp == 0 for key in
+               ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
 
 
 def _gib(nbytes: float) -> float:
@@ -83,6 +102,7 @@ OUTCOMES = {
     "zero2_fits": "2. sharding gradients + optimizer state is enough: ZeRO-2",
     "quantise_for_link": "3. sharding would fit, but its all-gathers are too slow for the link: quantise, DDP",
     "sharded_fits": "3. sharding everything fits: FSDP or ZeRO-3, whichever needs less",
+    "tp_fits": "3. sharding alone does not fit, the link is fast: tensor parallelism in pairs, FSDP across them",
     "quantise": "4. nothing sharded fits, quantised base weights do: DDP",
     "offload": "4. ZeRO-3 with the optimizer state offloaded to the CPU fits",
     "nothing_fits": "4. nothing fits",
@@ -143,7 +163,7 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
                            activation_checkpointing=activation_checkpointing, activation_bytes=2,
                            optimizer=optimizer, offload_optimizer=offload)
         comm = communication_bytes(model_config, strategy, n, lora_r=lora_r, lora_targets=targets,
-                                   weight_bytes=max(wb, 2), grad_bytes=4)
+                                   weight_bytes=max(wb, 2), grad_bytes=4, tokens=micro_batch * seq_len)
         option = Option(strategy, wb, offload, plan, comm, comm / (link_gbit * 1e9 / 8) if link_gbit else float("nan"),
                         _gib(plan.total) <= smallest)
         options.append(option)
@@ -182,6 +202,12 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
         if link_gbit and fsdp.comm_s > max_comm_s and quantised is not None:
             return decision("quantise_for_link", quantised, **more)
         return decision("sharded_fits", sharded, **more)
+    # 3b. on a fast link, tensor parallelism in pairs of GPUs halves what FSDP gathers per layer (and the
+    # projections each rank keeps); its per-layer all-reduces of activations need that link
+    if link_gbit and link_gbit >= FAST_LINK_GBIT and n >= 4 and n % 2 == 0 and _tp_degree_fits(model_config, 2):
+        two_d = consider("fsdp_tp", weight_bytes)
+        if two_d.fits_every_gpu:
+            return decision("tp_fits", two_d, **more)
     # 4. quantise, then offload
     if quantised is not None:
         return decision("quantise", quantised, **more)
@@ -252,6 +278,17 @@ def explain(d: Decision) -> list[str]:
     lines.append(f"   NO: even sharded evenly, each GPU would need {_gib(sharded.plan.total):.2f} GiB "
                  f"({'FSDP' if d.sharded == 'fsdp' else 'ZeRO-3'}) > {smallest:.1f} GiB.")
 
+    tried_tp = [o for o in d.options if o.strategy == "fsdp_tp"]
+    if d.outcome == "tp_fits":
+        lines.append(f"3. The link is fast ({link:g} Gbit/s): tensor parallelism in pairs of GPUs, FSDP across the "
+                     f"{n // 2} pairs (fsdp_tp), needs {_gib(d.chosen.plan.total):.2f} GiB per GPU <= {smallest:.1f}: "
+                     "each GPU gathers half a layer, not a whole one, and keeps only its heads' and FFN slice's "
+                     f"activations. With the activation all-reduces of every layer and micro-batch it sends "
+                     f"{d.chosen.comm_bytes / 1e9:.1f} GB per step: keep each pair on one node.")
+        return lines
+    if tried_tp:
+        lines.append(f"   FSDP x TP (pairs, fast link) would need {_gib(tried_tp[0].plan.total):.2f} GiB: too much "
+                     "too.")
     if d.outcome == "quantise":
         q = d.chosen
         lines.append(f"4. Quantise more aggressively: with {_bits(q.weight_bytes)} base weights (LoRA on top) a "
@@ -269,7 +306,7 @@ def explain(d: Decision) -> list[str]:
 
 @dataclass
 class Recommendation:
-    strategy: str  # ddp | zero2 | fsdp | zero3 | none
+    strategy: str  # ddp | zero2 | fsdp | zero3 | fsdp_tp | none
     weight_bytes: float  # of the base weights in the recommended setup (0.5: 4-bit)
     offload_optimizer: bool
     plan: MemoryBreakdown | None  # per rank, for the recommended setup
@@ -305,6 +342,7 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
       3. else, total VRAM holds it, sharded evenly -> FSDP / ZeRO-3 (each GPU holds 1/n of everything)
          ... unless every step would all-gather the weights over a slow link (`link_gbit`) for longer
          than `max_comm_s` while quantised weights fit one GPU: then quantise and use DDP
+         ... else, on a fast link (>= FAST_LINK_GBIT) and 4+ GPUs: FSDP x TP (TP in pairs) if it fits
       4. else quantise the base weights (8-bit, 4-bit: LoRA only), then offload the optimizer to the CPU.
     """
     d = decide(model_config, devices, lora_r=lora_r, lora_targets=lora_targets, weight_bytes=weight_bytes,

@@ -318,8 +318,7 @@ def tp_sliced(name: str) -> bool:
 def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Tensor parallelism: every decoder layer's projections (and the q/k/v biases, and one LoRA factor of each
     adapted projection: `tp_sliced`) cut in `world` slices; embedding, norms and LM head whole on every rank.
-    Activations are planned whole (the layer inputs and outputs are; only the per-head and FFN-width ones
-    are sliced)."""
+    Activations: the layer inputs and outputs whole, the per-head and FFN-width ones sliced."""
     def held(p):
         return _chunk(p.numel, s.world_size) if tp_sliced(p.name) else p.numel
 
@@ -421,7 +420,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
         trainable_bytes=tb, activation_bytes=act_b, moment_bytes=prec.moment_bytes,
         master_moment_bytes=moment_bytes(optimizer), zero_grad_bytes=prec.zero_grad_bytes,
         activations=activation_bytes_estimate(config, micro_batch, seq_len, act_b, activation_checkpointing,
-                                              lora_r, targets, lora_dropout, loss_token_fraction),
+                                              lora_r, targets, lora_dropout, loss_token_fraction,
+                                              tp=tp if strategy in ("tp", "fsdp_tp") else 1),
         activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
         zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp)

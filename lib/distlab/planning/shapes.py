@@ -132,7 +132,8 @@ def optimizer_groups(layout: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
 
 def activation_bytes_estimate(config, micro_batch: int, seq_len: int, bytes_per_value: float,
                               activation_checkpointing: bool = False, lora_r: int | None = None,
-                              lora_targets=(), lora_dropout: float = 0.0, loss_token_fraction: float = 1.0) -> float:
+                              lora_targets=(), lora_dropout: float = 0.0, loss_token_fraction: float = 1.0,
+                              tp: int = 1) -> float:
     """What autograd keeps per micro-batch, from first principles for a SwiGLU decoder layer.
 
     Per token and layer: the two norm inputs and outputs (4h), q/k/v after RoPE and the attention
@@ -141,11 +142,12 @@ def activation_bytes_estimate(config, micro_batch: int, seq_len: int, bytes_per_
     projection, its dropped-out input and the dropout mask (1 byte) when dropout > 0, and the
     r-wide output of A. Plus the fp32 log-softmax of the logits, only at the positions the loss is
     taken on (distlab.models.CausalLMWithLoss). With activation checkpointing only each layer's
-    input (h) is kept, plus one layer's worth during its recomputation."""
+    input (h) is kept, plus one layer's worth during its recomputation. `tp`: tensor parallelism's degree;
+    the per-head and FFN-width values are each rank's slice, the hidden-width ones stay whole."""
     s = model_shape(config)
     tokens = micro_batch * seq_len
     q_width, kv_width = s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
-    per_token = (4 * s["h"] + 2 * q_width + 2 * kv_width + 4 * s["ffn"]) * bytes_per_value
+    per_token = (4 * s["h"] + (2 * q_width + 2 * kv_width + 4 * s["ffn"]) / tp) * bytes_per_value
     if not lora_r:  # trained norm weights need their normalised inputs for the weight gradient
         per_token += 2 * s["h"] * bytes_per_value
     if lora_r:
