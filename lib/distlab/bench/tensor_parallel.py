@@ -1,14 +1,18 @@
 """2-rank tensor parallelism (`tp`) against one device, measured side by side.
 
-    python -m distlab.bench.tensor_parallel [--steps 12] [--rounds 3]
+    python -m distlab.bench.tensor_parallel [--steps 12] [--rounds 3] [--model wide|tiny|<folder>]
 
-The same full fine-tuning of the tiny model (the same rows, every weight trained) runs on one process
+The same full fine-tuning (the same rows, every weight trained) runs on one process
 (`single`) and on two tensor-parallel ranks (`tp`), one thread per rank, in alternating rounds so that
 machine noise hits both alike. Both see every row of every step, so their tokens/s (steady state after
 distlab.results.schema.WARMUP_STEPS, the slower rank's step time) compare directly: speedup =
 tokens_per_s(tp) / tokens_per_s(single); "scaling_efficiency" is that over 2. It prints the medians, the
 spread over rounds and the ratios, and asserts nothing: a speedup below 1 on a CPU is an honest result
 (every block's all-reduce through gloo against small matmuls), not a failure.
+
+The model: "wide" (default) is the tiny model's shape with a 4096-wide FFN (distlab.models.balanced_bench_model,
+random weights), where the split matmuls dominate a step and the all-reduces of b x s x h activations are
+small beside them; "tiny" is the chapters' model (FFN 688), where they are not.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from distlab.cli import run_main
 from distlab.launch.local import launch_training
+from distlab.models import balanced_bench_model
 from distlab.results import scaling_table, schema
 
 SETUP = {"lora": False, "micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "logging_steps": 1,
@@ -49,9 +54,12 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="wide", help="wide (FFN 4096, compute-bound), tiny, or a model folder")
     args = parser.parse_args(argv)
+    model = {"wide": balanced_bench_model(4096, 4), "tiny": None}.get(args.model, args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        table = measure(args.steps, args.rounds, runs_dir=Path(tmp))
+        table = measure(args.steps, args.rounds, overrides={"model": model}, runs_dir=Path(tmp))
+    print(f"model: {args.model} ({model or 'the tiny Qwen2'})")
     print("\n".join(scaling_table.scaling_lines(table, lambda k: f"{RUNS[k]} ({k} rank(s))")))
     print("tp against single; one thread per rank")
     return 0

@@ -187,7 +187,8 @@ def train_2d(overrides: Mapping, world_size: int = 4, tp_size: int = 2, timeout_
 
 
 def state_2d_against_plan(job: local.TrainJob, config) -> pd.DataFrame:
-    """Each rank's measured weight, gradient and optimizer bytes against the planner's, in MiB."""
+    """The measured weight, gradient and optimizer bytes of the first and the last rank against the
+    planner's, in MiB (the ranks between hold what one of them holds)."""
     table = state_vs_plan([collect_run(job.output_dir)], config)
-    table = table[table["component"] != "adapter_weights"]
-    return table.pivot_table(index="rank", columns="component", values=["measured_mib", "planned_mib"]).round(3)
+    table = table[(table["component"] != "adapter_weights") & table["rank"].isin([0, table["rank"].max()])]
+    return table.set_index(["rank", "component"])[["measured_mib", "planned_mib", "planned / measured"]].round(4)
