@@ -4,6 +4,8 @@ the bytes a layer all-reduces against the formula, the loss of a `tp` run agains
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -13,7 +15,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab import paths
 from distlab.chapters.ch02 import result_line, torchrun_module_or_script
-from distlab.launch import local
+from distlab.inference.outputs import latency_stats, load_run
+from distlab.launch import local, process
 from distlab.metrics import read_log
 from distlab.planning.memory import state_vs_plan
 from distlab.provenance import save_figure
@@ -192,3 +195,38 @@ def state_2d_against_plan(job: local.TrainJob, config) -> pd.DataFrame:
     table = state_vs_plan([collect_run(job.output_dir)], config)
     table = table[(table["component"] != "adapter_weights") & table["rank"].isin([0, table["rank"].max()])]
     return table.set_index(["rank", "component"])[["measured_mib", "planned_mib", "planned / measured"]].round(4)
+
+
+def decode_comparison(model: str | None = None, prompts: int = 8, new_tokens: int = 16, batch_sizes=(1, 8),
+                      timeout_s: int = 300) -> tuple[pd.DataFrame, dict[str, bool]]:
+    """The same greedy decoding four ways, one thread per rank: chapter 06's pipeline engine on 1 and 2 stages
+    (every micro-batch in flight), and tensor-parallel decoding (distlab.inference.tp_decode) on 1 and 2
+    ranks. Returns one row per (way, batch size) with tokens/s, time to first token and per-token latency
+    in ms, and whether each 2-rank way's tokens equal its 1-rank way's."""
+    work = folders(None)[1] / "decode"
+    common = ["--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens), "--threads", "1",
+              "--batch-size", ",".join(map(str, batch_sizes))] + (["--model", model] if model else [])
+    ways = {"pipeline, 1 stage": ("distlab.inference", 1), "pipeline, 2 stages": ("distlab.inference", 2),
+            "TP, 1 rank": ("distlab.inference.tp_decode", 1), "TP, 2 ranks": ("distlab.inference.tp_decode", 2)}
+    rows, tokens = [], {}
+    for way, (module, ranks) in ways.items():
+        out = work / way.replace(", ", "_").replace(" ", "")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+               module, "--out-dir", str(out), *common]
+        process.run(cmd, timeout_s=timeout_s, log_path=work / f"{out.name}.log", echo=False,
+                    env={"OMP_NUM_THREADS": "1"})
+        for b in batch_sizes:
+            folder = out / f"b{b}" if len(batch_sizes) > 1 else out
+            done = [json.loads(line) for line in (folder / "completions.jsonl").read_text().splitlines()]
+            tokens[(way, b)] = {row["id"]: row["tokens"] for row in done}
+            stats = latency_stats(load_run(folder)) if module == "distlab.inference" else json.loads(
+                (folder / "summary.json").read_text())
+            rows.append({"way": way, "batch size": b, "tokens/s": stats["tokens_per_s"],
+                         "first token (ms)": 1e3 * _mean_ttft(done), "per token (ms)": 1e3 * stats["per_token_s"]})
+    same = {f"{kind}, batch {b}": tokens[(f"{kind}, 2 {unit}", b)] == tokens[(f"{kind}, 1 {unit[:-1]}", b)]
+            for kind, unit in (("pipeline", "stages"), ("TP", "ranks")) for b in batch_sizes}
+    return pd.DataFrame(rows).set_index(["way", "batch size"]).round(1), same
+
+
+def _mean_ttft(completions: list[dict]) -> float:
+    return sum(row["ttft_s"] for row in completions) / len(completions)
