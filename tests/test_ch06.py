@@ -53,12 +53,12 @@ def test_kv_table_splits_the_counted_bytes_by_stage():
 
 def test_plan_has_strong_weak_sweep_one_at_a_time_and_wide_jobs(tmp_path):
     plan = ch06.plan_jobs(["--max-new-tokens", "4"], tmp_path, "00:01:00", [1, 2, 3], 8, 4, 2, [1, 2], 2,
-                          {512: tmp_path / "wide"}, 4)
+                          {512: tmp_path / "wide"}, ["--max-new-tokens", "2"])
     assert list(plan) == ["strong-s1", "strong-s2", "strong-s3", "weak-s1", "weak-s3", "sweep", "one-at-a-time",
                           "w512-s1", "w512-s2", "w512-s2-one"]
     assert plan["strong-s3"].ntasks == 3 and plan["strong-s3"].nodes == 2
     assert "--in-flight" in plan["one-at-a-time"].args and plan["sweep"].args[-1] == "1,2"
-    assert plan["w512-s2"].model_dir == str(tmp_path / "wide")
+    assert plan["w512-s2"].model_dir == str(tmp_path / "wide") and plan["w512-s2"].args[:2] == ["--max-new-tokens", "2"]
 
 
 def test_width_ratios_are_relative_to_one_stage():

@@ -132,9 +132,10 @@ def job_spec(name: str, stages: int, prompts: int, batch, args: list[str], model
 
 
 def plan_jobs(common: list[str], model_dir, job_time: str, stage_counts, strong_prompts: int, prompts_per_stage: int,
-              batch_size: int, batch_sizes, sweep_stages: int, wide_models: dict, bench_new_tokens: int) -> dict:
+              batch_size: int, batch_sizes, sweep_stages: int, wide_models: dict, bench_args: list[str]) -> dict:
     """Every job the chapter submits, in order: strong and weak scaling, the batch sweep (one job), one
-    micro-batch at a time, and 1 vs 2 stages on each wide random-init model ({width: model folder})."""
+    micro-batch at a time, and 1 vs 2 stages on each wide random-init model ({width: model folder}, run with
+    `bench_args`)."""
     def spec(name, stages, prompts, batch, extra=(), model=model_dir, args=common):
         return job_spec(name, stages, prompts, batch, args, model, job_time, extra)
 
@@ -147,7 +148,7 @@ def plan_jobs(common: list[str], model_dir, job_time: str, stage_counts, strong_
     for w, wide in wide_models.items():
         for n, extra in ((1, []), (2, []), (2, ["--in-flight", "1"])):
             tag = f"w{w}-s{n}" + ("-one" if extra else "")
-            plan[tag] = spec(tag, n, 8, 2, extra, wide, ["--max-new-tokens", str(bench_new_tokens)])
+            plan[tag] = spec(tag, n, 8, 2, extra, wide, bench_args)
     return plan
 
 
