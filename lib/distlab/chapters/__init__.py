@@ -17,7 +17,9 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         GPipe script's launch, the loss curves against one device, the bubble sweeps over micro-batches and
         schedules, the study's table rows, and the timeline plots (the bubble's theory and reading of a
         timeline: distlab.measure.bubble)
-  ch06  Slurm pipeline inference: a run's stage timeline
+  ch06  Slurm pipeline inference: the 2-stage pipeline with a KV cache per stage drawn, the jobs planned,
+        the KV cache's bytes (formula and counted), the scaling, batch-sweep, stage-memory (weights and KV
+        cache) and width tables and figures, and a run's stage timeline with its legend
   ch07  tensor parallelism: Megatron's split drawn, the by-hand and DTensor scripts run and compared, a layer's
         all-reduce bytes against the formula, and a `tp` run's loss against one device
 """

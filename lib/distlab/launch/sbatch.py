@@ -285,7 +285,10 @@ def example_files() -> dict[str, str]:
         "The Apptainer variant is rendered, golden-tested and shellchecked only: Apptainer/Singularity are not "
         "installable on the machines that wrote it. Its image and model folder are placeholders "
         f"(`{SEED_IMAGE}`, `models/open_llama_3b`); nothing is pip-installed inside the job. "
-        "distlab.inference runs its stages on CPU (gloo): the GPU job shows the resource and container shape.",
+        "Each stage runs where its task is: with `--device auto` (the default) a task that sees a GPU puts its stage "
+        "on it (the GPU of its `SLURM_LOCALID`, bf16 weights, NCCL between stages) and one that sees none runs on "
+        "CPU (fp32, gloo); `--device cpu` or `--device cuda` forces either. The one-machine cluster has no GPUs, so "
+        "the CPU job is the one run there; the GPU job has not been run yet.",
         "",
     ])
     return files
