@@ -201,18 +201,19 @@ def decode_comparison(model: str | None = None, prompts: int = 8, new_tokens: in
                       timeout_s: int = 300) -> tuple[pd.DataFrame, dict[str, bool]]:
     """The same greedy decoding four ways, one thread per rank: chapter 06's pipeline engine on 1 and 2 stages
     (every micro-batch in flight), and tensor-parallel decoding (distlab.inference.tp_decode) on 1 and 2
-    ranks. Returns one row per (way, batch size) with tokens/s, time to first token and per-token latency
-    in ms, and whether each 2-rank way's tokens equal its 1-rank way's."""
+    ranks, all on CPU (gloo). Returns one row per (way, batch size) with tokens/s, time to first token and
+    per-token latency in ms, and whether each 2-rank way's tokens equal its 1-rank way's."""
     work = folders(None)[1] / "decode"
     common = ["--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens), "--threads", "1",
               "--batch-size", ",".join(map(str, batch_sizes))] + (["--model", model] if model else [])
     ways = {"pipeline, 1 stage": ("distlab.inference", 1), "pipeline, 2 stages": ("distlab.inference", 2),
             "TP, 1 rank": ("distlab.inference.tp_decode", 1), "TP, 2 ranks": ("distlab.inference.tp_decode", 2)}
+    on_cpu = {"distlab.inference": ["--device", "cpu"], "distlab.inference.tp_decode": []}  # both on gloo/CPU
     rows, tokens = [], {}
     for way, (module, ranks) in ways.items():
         out = work / way.replace(", ", "_").replace(" ", "")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-               module, "--out-dir", str(out), *common]
+               module, "--out-dir", str(out), *common, *on_cpu[module]]
         process.run(cmd, timeout_s=timeout_s, log_path=work / f"{out.name}.log", echo=False,
                     env={"OMP_NUM_THREADS": "1"})
         for b in batch_sizes:
