@@ -23,3 +23,68 @@ def plot_timeline(ax, stages: list[dict], until_s: float | None = None) -> None:
     ax.set_yticks([s["rank"] for s in stages], [f"stage {s['rank']}" for s in stages])
     ax.invert_yaxis()
     ax.set_xlabel("time since generation started (ms)")
+
+
+# --- stage-loss demo (resume) below ---
+
+
+def stage_loss_demo(cluster, model_dir, *, run_root, log_dir, job_dir, prompts: int = 8, batch_size: int = 2,
+                    kill_after: int = 2, max_new_tokens: int = 24, adapter=None, job_time: str = "00:05:00",
+                    timeout_s: float = 300, resubmit: str = "sbatch") -> dict:
+    """A stage lost mid-job, and the job finished by submitting it again.
+
+    Three 2-stage Slurm jobs of the same resumable script (SlurmSpec(resumable=True): a stable output folder,
+    --resume, --requeue): an uninterrupted run for reference; the run whose last stage (rank 1) SIGKILLs
+    itself once `kill_after` micro-batches are written (DISTLAB_KILL_AFTER_MICRO_BATCHES); and its
+    resubmission (`resubmit`: "sbatch" submits the script again, a new job id; "requeue" runs the same job
+    id again). Two micro-batches are in flight, so micro-batches finish, and are written, one pair after
+    another. Returns the counts and checks the chapter asserts: which rank the failed job names, prompts
+    answered before the kill and by the resubmission, the total against the prompt count, prompts answered
+    twice, and whether every answer's tokens equal the uninterrupted run's."""
+    import json  # deferred: the stage-loss demo alone submits jobs and reads their files
+    import re  # deferred: as above
+    import shutil  # deferred: as above
+    import sys  # deferred: as above
+    from collections import Counter  # deferred: as above
+    from pathlib import Path  # deferred: as above
+
+    from distlab.inference import outputs  # deferred: as above
+    from distlab.inference.resume import COMPLETIONS  # deferred: as above
+    from distlab.launch.sbatch import SlurmSpec  # deferred: as above (distlab.launch loads the strategies)
+    from distlab.slurm import submit  # deferred: as above
+
+    if resubmit not in ("sbatch", "requeue"):
+        raise ValueError(f"resubmit={resubmit!r}: 'sbatch' or 'requeue'")
+    run_root, log_dir, job_dir = Path(run_root), Path(log_dir), Path(job_dir)
+    args = ["--max-new-tokens", str(max_new_tokens), "--num-prompts", str(prompts), "--batch-size", str(batch_size),
+            "--in-flight", "2", *(["--adapter", str(adapter)] if adapter else [])]
+
+    def spec(name):
+        return SlurmSpec(name, args=args, nodes=2, tasks_per_node=1, cpus_per_task=1, time=job_time, partition="debug",
+                         model_dir=str(model_dir), out_dir=str(run_root), log_dir=str(log_dir),
+                         script_dir=str(job_dir / name), resumable=True,
+                         description="2-stage pipeline inference that a resubmission finishes")
+
+    env = {"PYTHON": sys.executable}
+    for name in ("stage-loss-ref", "stage-loss"):  # a resumable job would skip a previous run's answers
+        shutil.rmtree(run_root / name, ignore_errors=True)
+    _, ref_rec = submit.run_spec(cluster, spec("stage-loss-ref"), timeout_s, env=env)
+    kill = {"DISTLAB_KILL_AFTER_MICRO_BATCHES": str(kill_after), "DISTLAB_KILL_RANK": "1"}
+    lost_id, lost_rec = submit.run_spec(cluster, spec("stage-loss"), timeout_s, env={**env, **kill})
+    failed = re.findall(r"task (\d+): Killed", (log_dir / f"stage-loss-{lost_id}.out").read_text())
+    before = outputs.completions(run_root / "stage-loss")
+    if resubmit == "requeue":  # the same job id again; Slurm's SLURM_RESTART_COUNT=1 disarms the kill
+        again_rec = submit.requeue(cluster, lost_id, timeout_s)
+    else:
+        _, again_rec = submit.run_spec(cluster, spec("stage-loss"), timeout_s, env=env)
+    after = outputs.completions(run_root / "stage-loss")
+    ids = [json.loads(line)["id"] for line in (run_root / "stage-loss" / COMPLETIONS).read_text().splitlines()]
+    summary = json.loads((run_root / "stage-loss" / "summary.json").read_text())
+    return {"prompts": prompts, "micro_batches": -(-prompts // batch_size),
+            "reference_job": ref_rec["State"], "lost_job": lost_rec["State"],
+            "failed_rank": int(failed[0]) if failed else None, "answered_before_kill": len(before),
+            "resubmission": f"{resubmit}: {again_rec['State']}",
+            "answered_by_resubmission": summary["answered_now"], "total_answered": len(after),
+            "answered_twice": sum(n - 1 for n in Counter(ids).values()),
+            "identical_to_uninterrupted": not outputs.token_mismatches(after, outputs.completions(
+                run_root / "stage-loss-ref"))}
