@@ -98,6 +98,12 @@ def test_only_fully_answered_micro_batches_are_skipped():
     assert resume.remaining(batches, {"a", "b", "c", "d", "e", "f"}) == []
 
 
+def test_token_mismatches_name_a_changed_or_missing_answer():
+    ref = rows("a", "b", "c")
+    assert outputs.token_mismatches(rows("c", "b", "a"), ref) == []  # order does not matter
+    assert outputs.token_mismatches([{"id": "a", "tokens": [1, 3]}, *rows("b")], ref) == ["a", "c"]
+
+
 def test_a_restarted_or_requeued_attempt_is_not_killed_again(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
