@@ -27,6 +27,7 @@ from distlab.launch.sbatch import SlurmSpec, render_files, write_files
 from distlab.paths import DEMO_PROMPTS
 
 HAVE_SLURM = all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch", "sacct", "scontrol"))
+SLURM_CTLD_PORT = 28817  # the `cluster` fixture's ports (conftest): 28817-28819, this module's own
 # 8 demo prompts in 4 micro-batches of 2, two in flight: the last stage writes micro-batches 0 and 1, then dies
 ARGS = ["--max-new-tokens", "6", "--batch-size", "2", "--in-flight", "2"]
 KILL_AFTER = 2
@@ -188,20 +189,6 @@ def test_torchrun_stage_killed_then_resumed(model_dir, uninterrupted, tmp_path):
 
 needs_slurm = pytest.mark.skipif(not HAVE_SLURM, reason="slurm-wlm and munge are not installed "
                                  "(tools/ensure_debian_packages.sh installs them)")
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from distlab.slurm.cluster import Cluster  # deferred: only with Slurm installed
-
-    # ports of its own: tests/test_slurm.py's cluster may be up at the same time
-    c = Cluster(root=tmp_path_factory.mktemp("slurm-resume"), ctld_port=28817, node_ports=(28818, 28819))
-    c.up()
-    try:
-        yield c
-    finally:
-        c.down()
-        assert c.processes() == []
 
 
 @needs_slurm
