@@ -115,6 +115,15 @@ def test_a_restarted_or_requeued_attempt_is_not_killed_again(monkeypatch):
     faults.after_micro_batches(2, 1)  # requeued: armed, but not on this attempt (a kill would end pytest)
 
 
+def test_a_prompt_file_with_an_id_twice_is_refused_before_any_work(tmp_path):
+    line = json.dumps({"id": "same", "prompt": "Hello?"})
+    (tmp_path / "p.jsonl").write_text(f"{line}\n{line}\n")
+    with pytest.raises(ValueError, match="prompt id 'same' appears more than once"):
+        run_inference(["--model", str(tmp_path / "no-model"), "--prompts", str(tmp_path / "p.jsonl"), "--out-dir",
+                       str(tmp_path / "out"), "--threads", str(torch.get_num_threads())])
+    assert not (tmp_path / "out" / resume.COMPLETIONS).exists()
+
+
 def test_a_resumable_job_script(tmp_path):
     spec = SlurmSpec("rs", args=["--batch-size", "2"], out_dir="build/runs/o", resumable=True)
     files = render_files(spec)

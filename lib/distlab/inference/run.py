@@ -122,6 +122,9 @@ def setup_logging(out_dir: Path, rank: int, append: bool = False) -> logging.Log
     log = logging.getLogger(f"distlab.inference.rank{rank}")
     log.setLevel(logging.INFO)
     log.propagate = False
+    for old in list(log.handlers):  # an earlier run in this process (a test, a notebook) logged elsewhere
+        log.removeHandler(old)
+        old.close()
     fmt = logging.Formatter(f"[rank{rank}]:%(asctime)s %(message)s", "%H:%M:%S")
     for handler in (logging.FileHandler(out_dir / f"rank{rank}.log", mode="a" if append else "w"),
                     logging.StreamHandler(sys.stdout)):
@@ -137,6 +140,11 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = setup_logging(out_dir, rank, append=args.resume)
+    prompts = repeat_prompts(read_prompts(args.prompts), args.num_prompts)
+    ids = [pid for pid, _ in prompts]
+    if len(set(ids)) != len(ids):  # answers are kept, and skipped on --resume, by prompt id
+        dup = next(pid for pid in ids if ids.count(pid) > 1)
+        raise ValueError(f"{args.prompts}: prompt id {dup!r} appears more than once; ids must be unique")
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoTokenizer  # deferred: transformers is slow to import
     from transformers.utils import logging as hf_logging  # deferred: transformers is slow to import
@@ -166,7 +174,6 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    prompts = repeat_prompts(read_prompts(args.prompts), args.num_prompts)
     sampling = Sampling(args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
     sizes = [int(b) for b in str(args.batch_size).split(",")]
