@@ -58,3 +58,22 @@ def _processes_matching(marker: str) -> list[psutil.Process]:
 def our_processes():
     """our_processes(marker): the live processes whose command line contains `marker`."""
     return _processes_matching
+
+
+# ---------------------------------------------------------------------- the one-machine Slurm cluster (chapter 06)
+
+@pytest.fixture(scope="module")
+def cluster(request, tmp_path_factory):
+    """`cluster`: a Slurm cluster for the module's tests (the controller on the module's SLURM_CTLD_PORT, the two nodes
+    on the next two ports), down after them, leaving nothing running. Each module has ports of its own, so
+    two modules' clusters never meet, even when two pytest sessions run at once."""
+    from distlab.slurm.cluster import Cluster  # deferred: only the Slurm tests need it
+
+    port = request.module.SLURM_CTLD_PORT
+    c = Cluster(root=tmp_path_factory.mktemp("slurm"), ctld_port=port, node_ports=(port + 1, port + 2))
+    c.up()
+    try:
+        yield c
+    finally:
+        c.down()
+        assert c.processes() == []

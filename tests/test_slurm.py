@@ -31,6 +31,7 @@ from distlab.paths import LAUNCH_DIR
 GOLDEN = Path(__file__).parent / "golden" / "slurm"
 UPDATE = os.environ.get("DISTLAB_UPDATE_GOLDEN") == "1"
 HAVE_SLURM = all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged", "sbatch", "sacct"))
+SLURM_CTLD_PORT = 26817  # the `cluster` fixture's ports (conftest): 26817-26819, this module's own
 
 GOLDEN_SPECS = {s.name: s for s in example_specs()}
 GOLDEN_SPECS["quoted-singularity-rocm"] = SlurmSpec(
@@ -116,20 +117,6 @@ def test_launch_slurm_is_what_the_generator_writes():
 
 needs_slurm = pytest.mark.skipif(not HAVE_SLURM, reason="slurm-wlm and munge are not installed "
                                  "(tools/ensure_debian_packages.sh installs them)")
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    # deferred: the cluster module is only needed when Slurm is installed
-    from distlab.slurm.cluster import Cluster
-
-    c = Cluster(root=tmp_path_factory.mktemp("slurm"), ctld_port=26817, node_ports=(26818, 26819))
-    c.up()
-    try:
-        yield c
-    finally:
-        c.down()
-        assert c.processes() == []
 
 
 def _job(cluster, tmp_path, name, *args, model=None, time="00:02:00"):

@@ -4,9 +4,13 @@ switched on by environment only.
 DISTLAB_KILL_AT_STEP=N      SIGKILL this process after optimizer step N (before any checkpoint
                             of that step), on the first attempt of the job only.
 DISTLAB_KILL_IN_CHECKPOINT=N  SIGKILL in the middle of writing the checkpoint of step N.
+DISTLAB_KILL_AFTER_MICRO_BATCHES=N  pipeline inference (distlab.inference): SIGKILL this stage once N
+                            micro-batches have finished on it (the last stage has written their
+                            completions by then): a stage lost mid-job.
 DISTLAB_KILL_RANK=R         which rank dies (default 1).
 
-"First attempt" is torchrun's TORCHELASTIC_RESTART_COUNT == 0, so a restarted group runs clean.
+"First attempt" is torchrun's TORCHELASTIC_RESTART_COUNT == 0 and Slurm's SLURM_RESTART_COUNT == 0 (a
+requeued job counts up), so a restarted group or a requeued job runs clean.
 A real SIGKILL, not an exception: nothing in the process gets to clean up, as with an OOM kill
 or a lost node.
 
@@ -37,22 +41,32 @@ def _armed(var: str, step: int, rank: int) -> bool:
         return False
     if int(os.environ.get("DISTLAB_KILL_RANK", "1")) != rank:
         return False
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    return first_attempt()
 
 
-def _die(what: str, step: int, rank: int) -> None:
-    print(f"[distlab.faults] rank {rank}: SIGKILL {what} step {step}", flush=True)
+def first_attempt() -> bool:
+    """Neither restarted by torchrun nor requeued by Slurm."""
+    return all(int(os.environ.get(v) or 0) == 0 for v in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+def _die(when: str, rank: int) -> None:
+    print(f"[distlab.faults] rank {rank}: SIGKILL {when}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def after_step(step: int, rank: int) -> None:
     if _armed("DISTLAB_KILL_AT_STEP", step, rank):
-        _die("after", step, rank)
+        _die(f"after step {step}", rank)
 
 
 def during_checkpoint(step: int, rank: int) -> None:
     if _armed("DISTLAB_KILL_IN_CHECKPOINT", step, rank):
-        _die("while writing the checkpoint of", step, rank)
+        _die(f"while writing the checkpoint of step {step}", rank)
+
+
+def after_micro_batches(done: int, rank: int) -> None:
+    if _armed("DISTLAB_KILL_AFTER_MICRO_BATCHES", done, rank):
+        _die(f"after {done} finished micro-batches", rank)
 
 
 def slowdown_factor() -> float:

@@ -9,9 +9,11 @@ micro-batches of prompts are in flight, so every stage works at the same time.
   batches     prompts -> chat-templated, left-padded micro-batches (the same rows on every rank)
   engine      the pipelined generation loop over torch.distributed (hidden states forward,
               sampled tokens back), greedy or seeded temperature/top-p, stop at EOS or max tokens
+  resume      completions that survive a lost stage: appended and fsynced one micro-batch at a time,
+              a torn last line dropped, the answered prompts skipped when the job is resubmitted
   outputs     a finished run read back: summary, completions, per-stage timeline and memory
   run         the per-rank entry point (torchrun or srun): rank/world from the environment, per-rank
-              log, completion JSONL, per-stage memory and timeline
+              log, completion JSONL, per-stage memory and timeline; --resume finishes a lost job
   tp_decode   the other way to split a model for decoding (chapter 07): every rank a slice of every
               layer (tensor parallelism), all ranks on the same tokens, with transformers' generate
 

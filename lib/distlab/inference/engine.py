@@ -134,8 +134,10 @@ class Pipeline:
         st.positions = st.positions[:, -1:] + 1
         st.done = bool(st.finished.all()) or step >= self.sampling.max_new_tokens
 
-    def run(self, batches: list[MicroBatch], in_flight: int | None = None) -> list[MicroState]:
-        """Generate for every micro-batch, `in_flight` of them at a time (default: all at once)."""
+    def run(self, batches: list[MicroBatch], in_flight: int | None = None, on_done=None) -> list[MicroState]:
+        """Generate for every micro-batch, `in_flight` of them at a time (default: all at once).
+        `on_done(state)` is called on every rank the moment a micro-batch has its last token (the last
+        stage writes its completions there, before any later micro-batch can finish)."""
         self.dtype = next(self.stage.parameters()).dtype
         self.device = next(self.stage.parameters()).device
         in_flight = in_flight or len(batches)
@@ -150,6 +152,8 @@ class Pipeline:
                     if step > 0:
                         self._apply_tokens(st, step)
                         if st.done:
+                            if on_done is not None:
+                                on_done(st)
                             continue
                     self._step(st, step)
                 if all(st.done for st in group):

@@ -1,6 +1,7 @@
 """Reading a pipeline-inference run back: what a job wrote into its out-dir (summary, completions, each
-stage's timeline and memory), its latency statistics and each stage's busy fraction. The stage timeline
-is drawn by distlab.chapters.ch06."""
+stage's timeline and memory), its latency statistics and each stage's busy fraction, and whether two runs
+gave the same answers. Completions are read through distlab.inference.resume, so the torn last line a
+killed job may leave is never taken for an answer. The stage timeline is drawn by distlab.chapters.ch06."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ from pathlib import Path
 
 import pandas as pd
 
+from distlab.inference.resume import COMPLETIONS, read_log
+
 MIB = 2 ** 20
+
+
+def completions(out_dir: str | Path) -> list[dict]:
+    """The complete completion rows a run (finished or not) left in out_dir, in the order they were written."""
+    return read_log(Path(out_dir) / COMPLETIONS).rows
+
+
+def token_mismatches(rows: list[dict], reference: list[dict]) -> list[str]:
+    """Prompt ids whose tokens differ from the reference's, or that one side lacks (empty: identical)."""
+    got, want = ({r["id"]: r["tokens"] for r in rs} for rs in (rows, reference))
+    return sorted(pid for pid in set(got) | set(want) if got.get(pid) != want.get(pid))
 
 
 def load_run(out_dir: str | Path) -> dict:
@@ -19,7 +33,7 @@ def load_run(out_dir: str | Path) -> dict:
     if not summary_path.is_file():
         raise FileNotFoundError(f"{out_dir}: no summary.json (the job did not finish; see its rank logs)")
     summary = json.loads(summary_path.read_text())
-    rows = [json.loads(ln) for ln in (out_dir / "completions.jsonl").read_text().splitlines() if ln.strip()]
+    rows = completions(out_dir)
     stages = [json.loads((out_dir / f"stage{r}.json").read_text()) for r in range(summary["stages"])]
     def rss_delta(m):
         return (m["rss_after_load"] - m["rss_before_load"]) / MIB

@@ -6,14 +6,21 @@ stages talk over gloo on CPU or NCCL between GPUs (MASTER_ADDR/MASTER_PORT). Eac
   rank<r>.log        its log (also on stdout, prefixed "[rank<r>]:")
   stage<r>.json      its layers, memory (parameter bytes held vs the whole checkpoint, RSS) and
                      timeline (one entry per forward: micro-batch, step, start, end)
-  completions.jsonl  (last rank) per prompt: text, tokens, time to first token, per-token latency
+  completions.jsonl  (last rank) per prompt: text, tokens, time to first token, per-token latency;
+                     appended and fsynced one micro-batch at a time, as each finishes (distlab.inference.resume)
+  run_settings.json  (last rank) the settings that decide the tokens, checked when a run is resumed
   summary.json       (last rank) tokens/s and the run's settings
+
+--resume keeps what an earlier run of the same settings in --out-dir answered (a job that lost a stage,
+resubmitted or requeued) and generates only the rest; without it the run starts from an empty
+completions.jsonl. DISTLAB_KILL_AFTER_MICRO_BATCHES (distlab.faults) kills a stage mid-job on purpose.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -27,9 +34,10 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from distlab import faults
 from distlab.cli import finite_float, run_main
 from distlab.device import backend_for
-from distlab.generate import write_jsonl
+from distlab.inference import resume
 from distlab.inference.batches import micro_batches, read_prompts
 from distlab.inference.engine import Pipeline, Sampling
 from distlab.inference.stage import InferenceStage
@@ -90,6 +98,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="stage weights: auto = bf16 on a GPU, fp32 on CPU (exact against model.generate)")
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the completions an earlier run with the same settings left in --out-dir and "
+                         "answer only the remaining prompts (what a resubmitted or requeued job does)")
     ap.add_argument("--kill-rank", type=int, default=None, help="fault injection: this rank SIGKILLs itself")
     ap.add_argument("--kill-at-step", type=int, default=2, help="... after this many decoding steps")
     return ap.parse_args(argv)
@@ -106,12 +117,17 @@ def stage_device(requested: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def setup_logging(out_dir: Path, rank: int) -> logging.Logger:
+def setup_logging(out_dir: Path, rank: int, append: bool = False) -> logging.Logger:
+    """Log to out_dir/rank<r>.log and stdout; a resumed run appends, so the lost attempt's log stays."""
     log = logging.getLogger(f"distlab.inference.rank{rank}")
     log.setLevel(logging.INFO)
     log.propagate = False
+    for old in list(log.handlers):  # an earlier run in this process (a test, a notebook) logged elsewhere
+        log.removeHandler(old)
+        old.close()
     fmt = logging.Formatter(f"[rank{rank}]:%(asctime)s %(message)s", "%H:%M:%S")
-    for handler in (logging.FileHandler(out_dir / f"rank{rank}.log", mode="w"), logging.StreamHandler(sys.stdout)):
+    for handler in (logging.FileHandler(out_dir / f"rank{rank}.log", mode="a" if append else "w"),
+                    logging.StreamHandler(sys.stdout)):
         handler.setFormatter(fmt)
         log.addHandler(handler)
     return log
@@ -123,7 +139,12 @@ def main(argv=None) -> int:
     rank, world = rank_and_world()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = setup_logging(out_dir, rank)
+    log = setup_logging(out_dir, rank, append=args.resume)
+    prompts = repeat_prompts(read_prompts(args.prompts), args.num_prompts)
+    ids = [pid for pid, _ in prompts]
+    if len(set(ids)) != len(ids):  # answers are kept, and skipped on --resume, by prompt id
+        dup = next(pid for pid in ids if ids.count(pid) > 1)
+        raise ValueError(f"{args.prompts}: prompt id {dup!r} appears more than once; ids must be unique")
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoTokenizer  # deferred: transformers is slow to import
     from transformers.utils import logging as hf_logging  # deferred: transformers is slow to import
@@ -153,35 +174,76 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    prompts = repeat_prompts(read_prompts(args.prompts), args.num_prompts)
     sampling = Sampling(args.max_new_tokens, greedy=not args.sample, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
     sizes = [int(b) for b in str(args.batch_size).split(",")]
     for batch_size in sizes:
         where = out_dir if len(sizes) == 1 else out_dir / f"b{batch_size}"
         where.mkdir(parents=True, exist_ok=True)
+        settings = token_settings(args, model_dir, prompts, batch_size, dtype)
         run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, where, log,
-                       dict(memory), rank, world, ranges, model_dir)
+                       dict(memory), rank, world, ranges, model_dir, settings)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return 0
 
 
+def token_settings(args, model_dir: Path, prompts: list, batch_size: int, dtype: torch.dtype) -> dict:
+    """What decides every answer's tokens (not the stage count: a resubmission may run on fewer nodes)."""
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+    return {"model": str(Path(model_dir).resolve()), "adapter": str(Path(args.adapter).resolve()) if args.adapter
+            else None, "prompts_sha256": digest, "prompts": len(prompts), "batch_size": batch_size,
+            "max_new_tokens": args.max_new_tokens, "greedy": not args.sample, "temperature": args.temperature,
+            "top_p": args.top_p, "seed": args.seed, "dtype": str(dtype)}
+
+
+def answered_before(out_dir: Path, settings: dict, resume_run: bool, rank: int, world: int, log, device) -> set:
+    """The prompt ids already answered (resuming), read by the last stage, the one that writes them, and
+    sent to every stage: all of them must skip the same micro-batches."""
+    done = [set()]
+    if rank == world - 1:
+        (out_dir / "summary.json").unlink(missing_ok=True)  # written again only when this run finishes
+        state, note = resume.start(out_dir, settings, resume_run)
+        if note:
+            log.warning(note)
+        done = [state.ids]
+    if world > 1:
+        dist.broadcast_object_list(done, src=world - 1, device=device if device.type == "cuda" else None)
+    return done[0]
+
+
 def run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, out_dir, log, memory, rank, world,
-                   ranges, model_dir) -> None:
-    """Generate every prompt in micro-batches of `batch_size`; write this rank's files into out_dir."""
+                   ranges, model_dir, settings) -> None:
+    """Generate every prompt not answered yet in micro-batches of `batch_size`; write this rank's files into
+    out_dir, the completions of each micro-batch as soon as it finishes."""
     batches = micro_batches(tokenizer, prompts, batch_size)
     pipe = Pipeline(stage, rank, world, stage.config, tokenizer.eos_token_id, tokenizer.pad_token_id, sampling)
     if args.kill_rank == rank:
         arm_kill(pipe, args.kill_at_step, log)
+    done = answered_before(out_dir, settings, args.resume, rank, world, log, next(stage.parameters()).device)
+    todo = resume.remaining(batches, done)
     if world > 1:
         dist.barrier()
+    if done:
+        log.info("resuming: %d of %d prompts already answered, %d of %d micro-batches left", len(done),
+                 len(prompts), len(todo), len(batches))
     log.info("generating: %d prompts in %d micro-batches of <= %d, %s in flight, <= %d new tokens, %s",
-             len(prompts), len(batches), batch_size, args.in_flight or "all", args.max_new_tokens,
+             sum(mb.rows for mb in todo), len(todo), batch_size, args.in_flight or "all", args.max_new_tokens,
              "greedy" if sampling.greedy else f"sampling T={sampling.temperature} top_p={sampling.top_p}")
+    path = out_dir / resume.COMPLETIONS
+    finished, new_rows = [], []
+
+    def on_done(st) -> None:
+        if rank == world - 1:  # durable before the next micro-batch can finish
+            rows = [r for r in completion_rows([st], tokenizer) if r["id"] not in done]
+            resume.append_rows(path, rows)
+            new_rows.extend(rows)
+        finished.append(st.mb.index)
+        faults.after_micro_batches(len(finished), rank)
+
     start = time.perf_counter()
-    states = pipe.run(batches, args.in_flight)
+    pipe.run(todo, args.in_flight, on_done=on_done)
     wall = time.perf_counter() - start
     memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     (out_dir / f"stage{rank}.json").write_text(json.dumps(
@@ -190,17 +252,22 @@ def run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, out_di
     if rank != world - 1:
         log.info("done: stage %d finished in %.2f s", rank, wall)
         return
-    rows = completion_rows(states, tokenizer)
-    write_jsonl(rows, out_dir / "completions.jsonl")
-    new_tokens = sum(r["new_tokens"] for r in rows)
+    answered = resume.read_log(path).ids
+    missing = [pid for pid, _ in prompts if pid not in answered]
+    if missing:
+        raise RuntimeError(f"{path}: {len(missing)} prompts unanswered after the run ({missing[:3]} ...)")
+    new_tokens = sum(r["new_tokens"] for r in new_rows)
     summary = {"stages": world, "stage_layers": [len(r) for r in ranges], "prompts": len(prompts),
                "batch_size": batch_size, "micro_batches": len(batches),
                "in_flight": args.in_flight or len(batches), "max_new_tokens": args.max_new_tokens,
                "greedy": sampling.greedy, "model": str(model_dir), "adapter": args.adapter,
-               "new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": new_tokens / wall,
-               "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+               "answered_before": len(done), "answered_now": len(new_rows), "micro_batches_run": len(todo),
+               "new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
+               "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+               "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    log.info("done: %d new tokens in %.2f s = %.1f tokens/s", new_tokens, wall, new_tokens / wall)
+    log.info("done: %d new tokens in %.2f s = %.1f tokens/s; %d prompts answered now, %d before", new_tokens, wall,
+             summary["tokens_per_s"], len(new_rows), len(done))
 
 
 def completion_rows(states, tokenizer) -> list[dict]:

@@ -10,6 +10,13 @@ limit), each writing its own log (`%t`). run.sh takes RANK/WORLD_SIZE from SLURM
 and runs `python -m <module>`. No pip install inside the job: the environment is prepared before
 submission (PYTHON names its interpreter; sbatch passes the submitter's environment).
 
+With `resumable`, the job can be run again and finishes what a lost run left: `#SBATCH --requeue` (Slurm
+may requeue it after a node failure, `scontrol requeue <id>` does by hand), `--open-mode=append` for the
+job's and every rank's log (a requeued job keeps its id, and the lost attempt's logs stay above the new
+ones), the output folder named after the job instead of its id (`<out_dir>/<name>/`, the same for an
+`sbatch` of the same script again), and `--resume` given to the module (distlab.inference then skips the
+prompts already answered there). Submitting it twice is harmless: the second run finds nothing to do.
+
 With `container` (an image), srun runs `apptainer exec` (or `singularity exec`) with --nv / --rocm and
 the Slurm report's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
 on the host before the job starts.
@@ -81,6 +88,7 @@ class SlurmSpec:
     container: Container | None = None
     script_dir: str = "launch/slurm"     # where run.sh lives, relative to the repository root
     description: str = ""
+    resumable: bool = False              # requeue-safe: a stable out folder, --resume, logs appended
 
     def __post_init__(self):
         self.validate()
@@ -119,6 +127,8 @@ class SlurmSpec:
         if self.model_arg is not None:
             check_text(SlurmSpecError, "model_arg", self.model_arg)
         check_text(SlurmSpecError, "description", self.description, allow_empty=True)
+        if not isinstance(self.resumable, bool):
+            raise SlurmSpecError("resumable", f"{show(self.resumable)}: True or False")
         c = self.container
         if c is not None:
             if c.runtime not in RUNTIMES:
@@ -144,11 +154,14 @@ def render_sbatch(spec: SlurmSpec) -> str:
              *([f"#SBATCH --gres=gpu:{spec.gpus_per_task * spec.tasks_per_node}"] if spec.gpus_per_task else []),
              f"#SBATCH --time={spec.time}",
              f"#SBATCH --output={spec.log_dir}/%x-%j.out",
+             *(["#SBATCH --requeue", "#SBATCH --open-mode=append"] if spec.resumable else []),
              f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              *([f"# {spec.description}"] if spec.description else []),
              (f"# {spec.ntasks} tasks on {spec.nodes} node(s)" if spec.ntasks else
               f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s)") + f" = world size {spec.world_size}"
              + (f"; container {spec.container.runtime} (rendered here, not executed)" if spec.container else ""),
+             *([f"# Resumable: writes into {spec.out_dir}/{spec.name}/ and skips what an earlier run answered there; "
+                "sbatch it again or `scontrol requeue <id>` after a lost stage"] if spec.resumable else []),
              "# Submit from the repository root (Slurm opens the --output file first, so its folder must exist):",
              f"#   mkdir -p {quote(spec.log_dir)} && sbatch {quote(spec.script_dir + '/submit.sbatch')}",
              *literal_note([spec.model_dir, spec.out_dir, spec.log_dir, spec.script_dir,
@@ -171,7 +184,8 @@ def render_sbatch(spec: SlurmSpec) -> str:
              f"mkdir -p {quote(spec.log_dir)} {quote(spec.out_dir)}",
              'echo "job $SLURM_JOB_ID: $SLURM_NTASKS tasks on $SLURM_JOB_NODELIST, master $MASTER_ADDR:$MASTER_PORT"',
              ""]
-    srun = ["srun", "--kill-on-bad-exit=1", f"--output={spec.log_dir}/%x-%j-rank%t.log"]
+    srun = ["srun", "--kill-on-bad-exit=1", *(["--open-mode=append"] if spec.resumable else []),
+            f"--output={spec.log_dir}/%x-%j-rank%t.log"]
     run_sh = f"{spec.script_dir}/run.sh"
     if spec.container is None:
         lines.append(" ".join(quote(w) for w in srun) + " bash " + quote(run_sh))
@@ -190,7 +204,8 @@ def render_run(spec: SlurmSpec) -> str:
     spec.validate()
     model = MODEL_MOUNT if spec.container else spec.model_dir
     out = f"{WORKSPACE_DIR}/outputs" if spec.container else spec.out_dir
-    args = list(spec.args) + ([spec.model_arg, model] if spec.model_arg else [])
+    args = list(spec.args) + ([spec.model_arg, model] if spec.model_arg else []) + (
+        ["--resume"] if spec.resumable else [])
     lines = ["#!/bin/bash",
              f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              "# One task of the job: srun starts it once per rank" + (" inside the container." if spec.container
@@ -202,7 +217,8 @@ def render_run(spec: SlurmSpec) -> str:
              'export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"',
              "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"]
     lines += [f"export {k}={quote(v)}" for k, v in sorted(spec.env.items())]
-    lines += [f'OUT_DIR={quote(out)}/"$SLURM_JOB_ID"',
+    # a resumable job's folder outlives its job id: a resubmission finds what the lost run answered
+    lines += [f"OUT_DIR={quote(out + '/' + spec.name)}" if spec.resumable else f'OUT_DIR={quote(out)}/"$SLURM_JOB_ID"',
               'echo "rank $RANK/$WORLD_SIZE on $(hostname) (${SLURMD_NODENAME:-?}), master $MASTER_ADDR:$MASTER_PORT"',
               'exec "${PYTHON:-python3}" -m ' + quote(spec.module) + " \\",
               "  " + " ".join(quote(a) for a in args) + ' --out-dir "$OUT_DIR"' if args else '  --out-dir "$OUT_DIR"']

@@ -1,5 +1,6 @@
-"""Jobs on the cluster: submit with sbatch, wait for the end under a deadline, read the completion
-records back with `sacct -c` (jobcomp/filetxt: elapsed time, CPUs, state, exit code)."""
+"""Jobs on the cluster: submit with sbatch, wait for the end under a deadline, requeue a finished job (the
+same job id runs again), read the completion records back with `sacct -c` (jobcomp/filetxt: elapsed
+time, CPUs, state, exit code; a requeued job has one record per attempt, the last one counts)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,22 @@ def wait(cluster: Cluster, job_id: int, timeout_s: float, poll_s: float = 0.5) -
             _client(cluster, ["scancel", str(job_id)])
             raise JobError(f"job {job_id} still {rec['State'] if rec else 'queued'} after {timeout_s:.0f}s: cancelled")
         time.sleep(poll_s)
+
+
+def requeue(cluster: Cluster, job_id: int, timeout_s: float) -> dict:
+    """`scontrol requeue` a finished (or running) batch job of a --requeue script, wait for its next attempt
+    to end; returns that attempt's record. Slurm holds a requeued job until its credentials have expired
+    (AuthInfo cred_expire + 1 s, 121 s by default); its start time is set to now, as an administrator
+    would, so the demo does not wait two minutes for nothing."""
+    before = len(sacct(cluster, [job_id]))
+    _client(cluster, ["scontrol", "requeue", str(job_id)])
+    _client(cluster, ["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    deadline = time.monotonic() + timeout_s
+    while len(sacct(cluster, [job_id])) == before:  # the requeue's own record: the old one no longer counts
+        if time.monotonic() > deadline:
+            raise JobError(f"job {job_id}: no new record {timeout_s:.0f}s after scontrol requeue")
+        time.sleep(0.2)
+    return wait(cluster, job_id, max(1.0, deadline - time.monotonic()))
 
 
 def sacct(cluster: Cluster, job_ids=None, fields: str = SACCT_FIELDS) -> list[dict]:
