@@ -80,10 +80,7 @@ def draw_tensor_parallel(path: str | Path, provenance: dict, config, tp: int = 2
     ax_f.text(7.0, 0.55, "forward: 2 all-reduces of b x s x h (red); backward: 2 more, of the input "
               "gradients (green, dashed)", ha="center", fontsize=8)
     ax_f.axis("off")
-    fig.tight_layout()
-    out = save_figure(fig, path, provenance)
-    plt.close(fig)
-    return out
+    return _saved(fig, path, provenance)
 
 
 def draw_mesh_2d(path: str | Path, provenance: dict, dp: int = 2, tp: int = 2) -> Path:
@@ -116,6 +113,11 @@ def draw_mesh_2d(path: str | Path, provenance: dict, dp: int = 2, tp: int = 2) -
     ax.text(right / 2, -0.6, f"{dp * tp} ranks as a {dp} x {tp} mesh (dp, tp): tp inside a node, on its fast "
             "link; dp across nodes", ha="center", fontsize=8)
     ax.axis("off")
+    return _saved(fig, path, provenance)
+
+
+def _saved(fig, path: str | Path, provenance: dict) -> Path:
+    """A drawn diagram laid out, saved with its provenance, and closed (the notebook displays the file)."""
     fig.tight_layout()
     out = save_figure(fig, path, provenance)
     plt.close(fig)
