@@ -208,3 +208,20 @@ def test_tp_refuses_periodic_checkpoints_it_cannot_write_yet():
     with pytest.raises(ValueError, match="checkpoint_steps=0"):
         TPStrategy().setup(TrainConfig(strategy="tp", lora=False, checkpoint_steps=5))
     assert not dist.is_initialized()
+
+
+def test_the_torchrun_writer_takes_a_tp_size_for_two_nodes_of_tp_groups(tmp_path):
+    import subprocess
+
+    from distlab.launch import torchrun
+
+    spec = LaunchSpec(module="distlab.train", nproc_per_node=2, nnodes=2, rendezvous="static",
+                      master_addr="192.168.1.100", strategy="fsdp_tp", tp_size=2, micro_batch_size=2,
+                      global_batch_size=4, args=["--set", "strategy=fsdp_tp", "--set", "tp_size=2"],
+                      description="FSDP across 2 nodes, TP inside each")
+    assert spec.data_parallel_size == 2  # one tp group per node: the nodes take different rows
+    scripts = [p for p in torchrun.write_scripts(spec, tmp_path, "fsdp_tp_2x2") if p.suffix == ".sh"]
+    assert len(scripts) == 2
+    for path in scripts:
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+        assert "tp_size=2" in path.read_text()
