@@ -17,6 +17,10 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         GPipe script's launch, the loss curves against one device, the bubble sweeps over micro-batches and
         schedules, the study's table rows, and the timeline plots (the bubble's theory and reading of a
         timeline: distlab.measure.bubble)
+  ch05  a heterogeneous LAN: the prerequisites and the mode that ran (namespaces or the localhost fallback), the
+        even and the balanced split drawn, the all-reduce and DDP-over-the-link figures, the balance runs on
+        two and three hosts against their theory with the three-host speedup, the pipeline split's tables, and
+        the link-cut demo
   ch06  Slurm pipeline inference: a run's stage timeline
   ch07  tensor parallelism: Megatron's split drawn, the by-hand and DTensor scripts run and compared, a layer's
         all-reduce bytes against the formula, and a `tp` run's loss against one device
