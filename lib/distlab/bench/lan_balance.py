@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from distlab.batching import (
     ideal_speedups,
@@ -103,15 +106,23 @@ def compare(placement: host_runs.Placement, quotas: list[float], *, micro: int =
             "naive_step_s_rounds": times["naive"], "balanced_step_s_rounds": times["balanced"]}
 
 
-def one_host(placement: host_runs.Placement, rows: int, *, steps: int = 4, name: str = "balance_one", echo=False,
-             timeout_s: int = 600, overrides: dict[str, Any] | None = None) -> dict:
-    """The same training on the first host alone (its full CPU), `rows` per step: the speedups' baseline."""
-    job = host_runs.run_training(placement.subset(1), name,
-                                 {**SMALL, **(overrides or {}), "micro_batch_size": rows, "max_steps": steps},
-                                 echo=echo, timeout_s=timeout_s, runs_dir=RUNS_DIR / "lan")
-    if not job.ok:
-        raise RuntimeError(f"{name} failed:\n{job.failure()}")
-    row = schema.summarise_logs(RUNS_DIR / "lan" / name / "train_log.jsonl")
+def one_host(rows: int, *, steps: int = 4, name: str = "balance_one", overrides: dict[str, Any] | None = None) -> dict:
+    """The same training loop on one process with one thread, as host 0 has (full speed, no all-reduce), `rows`
+    per step: the speedups' baseline. It runs in this process: no launch to pay for."""
+    from distlab.config import load_config  # deferred: the training stack is only needed here
+    from distlab.launch.local import TINY_CONFIG
+    from distlab.train import train
+
+    out = RUNS_DIR / "lan" / name
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resumed one
+    cfg = load_config(TINY_CONFIG, {**SMALL, **(overrides or {}), "strategy": "single", "num_threads": 1,
+                                    "micro_batch_size": rows, "max_steps": steps, "output_dir": str(out)})
+    previous_threads = torch.get_num_threads()
+    try:
+        train(cfg)
+    finally:
+        torch.set_num_threads(previous_threads)
+    row = schema.summarise_logs(out / "train_log.jsonl")
     return {"rows": rows, "step_time_s": row["step_time_s"], "tokens_per_s": row["tokens_per_s"]}
 
 
@@ -167,7 +178,7 @@ def main(argv=None) -> int:
             results[label] = compare(placement, q, micro=args.micro, steps=args.steps, rounds=args.rounds,
                                      name=f"balance_{label}", cpu_mode=args.cpu_mode)
             if label == "three":
-                alone = one_host(placement, args.micro * len(q), steps=args.steps, name="balance_one")
+                alone = one_host(args.micro * len(q), steps=args.steps, name="balance_one")
                 results[label]["one_host"] = alone
                 results[label]["speedups"] = speedups(results[label], alone)
         print(report(results[label]), flush=True)

@@ -172,7 +172,7 @@ def balance_runs(placement: host_runs.Placement, quotas_two: Sequence[float], qu
                  micro: int, steps: int, rounds: int, three_steps: int, three_rounds: int, cpu_mode: str,
                  timeout_s: int) -> dict[str, Any]:
     """One calibration on the three hosts (each host's rows/s under its CPU share), then naive against
-    balanced on the first two hosts and on all three (one launch each), and the first host alone."""
+    balanced on the first two hosts and on all three (one launch each), and host 0's loop alone (in this process)."""
     limits = [HostLimits(cpu=q, cpu_mode=cpu_mode) for q in quotas_three]
     calib = lan_balance.calibrate(placement, limits, lan_balance.SMALL, rows=micro, global_rows=micro * 3)
     same_first_two = list(quotas_two) == list(quotas_three[:2])
@@ -182,7 +182,7 @@ def balance_runs(placement: host_runs.Placement, quotas_two: Sequence[float], qu
     three = lan_balance.compare(placement, list(quotas_three), micro=micro, steps=three_steps, rounds=three_rounds,
                                 name="nb05_three", cpu_mode=cpu_mode, timeout_s=timeout_s,
                                 rows_per_s=calib["rows_per_s"])
-    alone = lan_balance.one_host(placement, micro * 3, steps=three_steps, name="nb05_one", timeout_s=timeout_s)
+    alone = lan_balance.one_host(micro * len(quotas_three), steps=three_steps, name="nb05_one")
     three["one_host"], three["speedups"] = alone, lan_balance.speedups(three, alone)
     return {"2 hosts, 100/50%": two, "3 hosts, 100/50/50%": three}
 
