@@ -32,11 +32,14 @@ from distlab.batching import (
     shares_from_throughput,
 )
 from distlab.cli import finite_float, run_main
+from distlab.config import load_config
 from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.lan.cgroups import supported as cgroups_supported
+from distlab.launch.local import TINY_CONFIG
 from distlab.paths import BUILD_DIR, RUNS_DIR
 from distlab.results import schema
+from distlab.train import train
 
 SMALL = {"strategy": "ddp", "eval_file": None, "save_model": False, "logging_steps": 1, "seq_len": 128,
          "grad_accum": 1, "lora_dropout": 0.0, "eval_at_start": False, "eval_at_end": False}
@@ -109,14 +112,11 @@ def compare(placement: host_runs.Placement, quotas: list[float], *, micro: int =
 def one_host(rows: int, *, steps: int = 4, name: str = "balance_one", overrides: dict[str, Any] | None = None) -> dict:
     """The same training loop on one process with one thread, as host 0 has (full speed, no all-reduce), `rows`
     per step: the speedups' baseline. It runs in this process: no launch to pay for."""
-    from distlab.config import load_config  # deferred: the training stack is only needed here
-    from distlab.launch.local import TINY_CONFIG
-    from distlab.train import train
-
     out = RUNS_DIR / "lan" / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resumed one
     cfg = load_config(TINY_CONFIG, {**SMALL, **(overrides or {}), "strategy": "single", "num_threads": 1,
-                                    "micro_batch_size": rows, "max_steps": steps, "output_dir": str(out)})
+                                    "progress": False, "micro_batch_size": rows, "max_steps": steps,
+                                    "output_dir": str(out)})
     previous_threads = torch.get_num_threads()
     try:
         train(cfg)

@@ -169,7 +169,7 @@ def ddp_summary(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame) -> pd.DataFrame:
 
 
 def balance_runs(placement: host_runs.Placement, quotas_two: Sequence[float], quotas_three: Sequence[float], *,
-                 micro: int, steps: int, rounds: int, three_steps: int, three_rounds: int, cpu_mode: str,
+                 micro: int, steps: int, rounds: int, three_steps: int, cpu_mode: str,
                  timeout_s: int) -> dict[str, Any]:
     """One calibration on the three hosts (each host's rows/s under its CPU share), then naive against
     balanced on the first two hosts and on all three (one launch each), and host 0's loop alone (in this process)."""
@@ -179,7 +179,7 @@ def balance_runs(placement: host_runs.Placement, quotas_two: Sequence[float], qu
     two = lan_balance.compare(placement.subset(2), list(quotas_two), micro=micro, steps=steps, rounds=rounds,
                               name="nb05_two", cpu_mode=cpu_mode, timeout_s=timeout_s,
                               rows_per_s=calib["rows_per_s"][:2] if same_first_two else None)
-    three = lan_balance.compare(placement, list(quotas_three), micro=micro, steps=three_steps, rounds=three_rounds,
+    three = lan_balance.compare(placement, list(quotas_three), micro=micro, steps=three_steps, rounds=rounds,
                                 name="nb05_three", cpu_mode=cpu_mode, timeout_s=timeout_s,
                                 rows_per_s=calib["rows_per_s"])
     alone = lan_balance.one_host(micro * len(quotas_three), steps=three_steps, name="nb05_one")
@@ -223,7 +223,7 @@ def balance_figure(results: Mapping[str, Mapping[str, Any]], path: str | Path, p
         left.bar([i + offset for i in range(len(names))], med, 0.36, yerr=spread, capsize=4, label=label)
     left.set_xticks(range(len(names)), names)
     left.set_ylabel("step time (s)")
-    left.set_title("median step time, min-max whiskers", fontsize=10)
+    left.set_title("median step time over the rounds (whiskers: min-max)", fontsize=10)
     left.legend(fontsize=8, loc="lower right")
     for i, k in enumerate(names):
         mid.bar(i, results[k]["ratio"], 0.5, color="C2", alpha=0.7, label="measured" if i == 0 else None)
