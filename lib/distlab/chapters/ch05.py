@@ -273,7 +273,7 @@ def split_summary(plan: Mapping[str, Any], race: Mapping[str, Any]) -> pd.Series
                       "step s, equal split": round(race["equal_step_s"], 3),
                       "step s, measured split": round(race["measured_step_s"], 3),
                       "measured / equal": round(race["ratio"], 3),
-                      "predicted from layer times": round(race["predicted_ratio"], 3)})
+                      "predicted from layer times": round(race["predicted_ratio"], 3)}, dtype=object)
 
 
 # ---------------------------------------------------------------- failures
