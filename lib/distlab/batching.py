@@ -49,6 +49,20 @@ def predicted_step_ratio(rows_per_s: Sequence[float], balanced: Sequence[int], n
     return step(balanced) / step(naive)
 
 
+def ideal_step_ratio(speeds: Sequence[float]) -> float:
+    """Balanced / naive step time when compute is all a step costs. Naive: every rank takes the same rows,
+    so the slowest sets the pace (throughput world x min speed); balanced: every rank finishes together
+    (throughput the sum of the speeds). One host 2x slower: 2 x 0.5 / 1.5 = 2/3; 100/50/50: 0.75."""
+    return len(speeds) * min(speeds) / sum(speeds)
+
+
+def ideal_speedups(speeds: Sequence[float]) -> dict[str, float]:
+    """Throughput of the cluster over its fastest host alone, compute only: `even` (equal rows: world x the
+    slowest speed) and `balanced` (rows by speed: the sum of the speeds, the ideal)."""
+    fastest = max(speeds)
+    return {"even": len(speeds) * min(speeds) / fastest, "balanced": sum(speeds) / fastest}
+
+
 class StepBatches:
     """Which rows each rank uses at each optimizer step, with DistributedSampler underneath.
 

@@ -17,9 +17,14 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         GPipe script's launch, the loss curves against one device, the bubble sweeps over micro-batches and
         schedules, the study's table rows, and the timeline plots (the bubble's theory and reading of a
         timeline: distlab.measure.bubble)
+  ch05  a heterogeneous LAN: the prerequisites and the mode that ran (namespaces or the localhost fallback), the
+        even and the balanced split drawn, the all-reduce and DDP-over-the-link figures, the balance runs on
+        two and three hosts against their theory with the three-host speedup, the pipeline split's tables, and
+        the link-cut demo
   ch06  Slurm pipeline inference: the 2-stage pipeline with a KV cache per stage drawn, the jobs planned,
         the KV cache's bytes (formula and counted), the scaling, batch-sweep, stage-memory (weights and KV
-        cache) and width tables and figures, and a run's stage timeline with its legend
+        cache) and width tables and figures, a run's stage timeline with its legend, and the stage-loss demo
   ch07  tensor parallelism: Megatron's split drawn, the by-hand and DTensor scripts run and compared, a layer's
-        all-reduce bytes against the formula, and a `tp` run's loss against one device
+        all-reduce bytes against the formula, a `tp` run's loss against one device, the 2-D mesh drawn and
+        run (each rank's bytes against the planner), and decoding split by layers against split within layers
 """
