@@ -19,9 +19,11 @@ writes it); `save_model` gathers the full weights and rank 0 writes a from_pretr
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -137,10 +139,24 @@ class TPStrategy(DistributedStrategy):
 
 
 def global_grad_norm(model: torch.nn.Module) -> float:
-    """The gradient norm of the whole model: a sliced gradient counts its full tensor once."""
-    total = 0.0
+    """The gradient norm of the whole model from each rank's own elements and one all-reduce of a scalar
+    (gathering the sliced gradients instead would move the whole model's gradient every step). An element
+    held on several ranks (a whole tensor, or a DTensor replicated along a mesh dimension) counts once:
+    its square is divided by the number of ranks that hold it."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    total, device = torch.zeros((), dtype=torch.float64), "cpu"
     for p in model.parameters():
-        if p.grad is not None:
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            total += float(g.double().pow(2).sum())
-    return total ** 0.5
+        if p.grad is None:
+            continue
+        g, device = p.grad, p.grad.device
+        if isinstance(g, DTensor):
+            copies = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
+            copies *= world // g.device_mesh.size()  # ranks outside the tensor's mesh hold it too
+            g = g.to_local()
+        else:
+            copies = world
+        total += g.detach().double().pow(2).sum().cpu() / copies
+    if world > 1:
+        total = total.to(device)  # NCCL reduces CUDA tensors only
+        dist.all_reduce(total)
+    return float(total) ** 0.5
