@@ -341,8 +341,13 @@ def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3
         plot_timeline(ax, rec["events"], f"{label}: m={rec['microbatches']}, step {rec['step']}, bubble "
                                          f"{s['bubble']:.2f} (theory {theory:.2f})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0", "#DD8452")]
-    axes[-1].legend(handles, ["forward", "backward"], fontsize=7, loc="lower right")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))  # room for the provenance line
+    labels = ["forward", "backward"]
+    if any(r.get("virtual", 1) > 1 for records in timelines.values() for r in records):
+        handles.append(plt.Rectangle((0, 0), 1, 1, fc="white", ec="black", hatch="///"))
+        labels.append("a rank's second model chunk")
+    # below the charts, right of the provenance line: no box hidden
+    fig.legend(handles, labels, fontsize=7, loc="lower right", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
