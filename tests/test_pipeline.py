@@ -2,8 +2,9 @@
 
 The multi-rank tests compare against the single-device loop on the same global batch: the first
 step's loss must be equal (the same batch through the same weights, split over two processes),
-later steps equal to rounding; GPipe and 1F1B and DeepSpeed's PipelineModule all run, the
-timeline gives the bubble on a small m, and the saved adapter/model loads with from_pretrained.
+later steps equal to rounding; GPipe, 1F1B, interleaved 1F1B (two model chunks per rank) and DeepSpeed's
+PipelineModule all run, the timeline gives the bubble on a small m, and the saved adapter/model loads
+with from_pretrained.
 """
 
 from __future__ import annotations

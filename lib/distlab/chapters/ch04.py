@@ -1,12 +1,13 @@
 """Chapter 04, pipeline training: the plumbing its notebook calls once per cell.
 
 The schedules drawn before anything is measured (GPipe, 1F1B and interleaved 1F1B simulated on ideal
-stages: simulate_schedule, draw_schedules), the by-hand script's launch, the loss-curve comparison,
-the bubble sweep (one measured pipeline run per schedule and micro-batch count, all in one launch,
-repeated in rounds), one row per run and their median over rounds, the DeepSpeed pipeline study's table rows,
+stages: simulate_schedule, draw_schedules), the loss-curve comparison, the bubble sweep (one measured
+pipeline run per schedule and micro-batch count, all in one launch, repeated in rounds), one row per run
+and their median over rounds, interleaved 1F1B beside 1F1B, the DeepSpeed pipeline study's table rows,
 and Gantt charts of the recorded timelines. What a timeline's numbers mean (the bubble in theory, the
 idle fractions, the hand-off and the cost models) is distlab.measure.bubble; the equal-stage model the
-sweep measures by default is distlab.models.balanced_bench_model.
+sweep measures by default is distlab.models.balanced_bench_model. The by-hand scripts run with
+distlab.chapters.ch02.run_script.
 """
 
 from __future__ import annotations
