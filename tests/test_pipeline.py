@@ -2,12 +2,14 @@
 
 The multi-rank tests compare against the single-device loop on the same global batch: the first
 step's loss must be equal (the same batch through the same weights, split over two processes),
-later steps equal to rounding; GPipe and 1F1B and DeepSpeed's PipelineModule all run, the
-timeline gives the bubble on a small m, and the saved adapter/model loads with from_pretrained.
+later steps equal to rounding; GPipe, 1F1B, interleaved 1F1B (two model chunks per rank) and DeepSpeed's
+PipelineModule all run, the timeline gives the bubble on a small m, and the saved adapter/model loads
+with from_pretrained.
 """
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
@@ -93,6 +95,30 @@ def test_handoff_cost_and_the_models_built_on_it():
     assert costs["handoff_per_mb_s"][0] == pytest.approx(0.1)
 
 
+def test_a_receive_posted_early_waits_only_from_its_wait():
+    """Interleaved schedules post a receive, compute, then wait: only the wait (tw..t1) is blocked time."""
+    events = [{"stage": 0, "kind": "F", "mb": 0, "t0": 0.0, "t1": 1.0},
+              {"stage": 0, "kind": "recv", "peer": 1, "t0": 0.0, "tw": 1.0, "t1": 1.5},
+              {"stage": 1, "kind": "send", "peer": 0, "t0": 1.4, "t1": 1.4},
+              {"stage": 0, "kind": "B", "mb": 0, "t0": 1.5, "t1": 2.5},
+              {"stage": 1, "kind": "F", "mb": 0, "t0": 0.2, "t1": 1.4}]
+    (msg,) = transfers(events)
+    assert msg["blocked_s"] == pytest.approx(0.5) and msg["transfer_s"] == pytest.approx(0.1)
+    assert handoff(events)["handoff_per_mb_s"][0] == pytest.approx(0.1)  # 2.5 - 2.0 busy - 0.4 waiting
+
+
+def test_interleaved_formula_and_its_table():
+    from distlab.chapters import ch04
+
+    assert ch04.bubble_formula(2, 4, 2) == pytest.approx(1 / 9) and ch04.formula_text(2) == "(p-1)/(2m+p-1)"
+    bub = pd.DataFrame([{"m": m, "schedule": s, "v": v, "theory": ch04.bubble_formula(2, m, v),
+                         "measured": ch04.bubble_formula(2, m, v) + 0.01, "abs_diff": 0.01, "pipeline_span_s": 1.0}
+                        for m in (2, 4) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))])
+    table = ch04.interleaved_vs_1f1b(bub)
+    assert list(table.index) == [(2, "1f1b"), (2, "interleaved"), (4, "1f1b"), (4, "interleaved")]
+    assert table.loc[(4, "interleaved"), "formula"] == "(p-1)/(2m+p-1)"
+
+
 @pytest.mark.parametrize("packing", [True, False])
 def test_chained_stages_give_the_unsplit_loss(packing, tokenizer):
     """Two StageModules run one after the other equal CausalLMWithLoss on the same batch, packed
@@ -125,7 +151,7 @@ def single_lora(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_two_stage_schedules_match_single_device(schedule, single_lora, tmp_path):
     job = launch_training(f"t_pp_{schedule}", 2, {**COMMON, "strategy": "pipeline", "pipeline_schedule": schedule,
                                                   "measure_comm": True}, runs_dir=tmp_path, echo=False)
@@ -142,17 +168,21 @@ def test_two_stage_schedules_match_single_device(schedule, single_lora, tmp_path
     records = read_timeline(job.output_dir)
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["schedule"] == schedule for r in records)
     events = records[-1]["events"]
+    v = 2 if schedule == "interleaved" else 1  # model chunks per rank
+    assert all(r["virtual"] == v for r in records)
     for s in range(p):
         for kind in "FB":
-            assert sorted(e["mb"] for e in events if e["stage"] == s and e["kind"] == kind) == list(range(m))
-    order = [f"{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["t0"])
-             if e["stage"] == 1 and e["kind"] in "FB"]
-    assert order == (["F0", "F1", "B0", "B1"] if schedule == "gpipe" else ["F0", "B0", "F1", "B1"])
+            assert sorted(e["mb"] for e in events if e["stage"] == s and e["kind"] == kind) == sorted([*range(m)] * v)
+    order = [f"{e['kind']}{e['mb']}" + (f"c{e['chunk']}" if v > 1 else "")
+             for e in sorted(events, key=lambda e: e["t0"]) if e["stage"] == 1 and e["kind"] in "FB"]
+    assert order == {"gpipe": ["F0", "F1", "B0", "B1"], "1f1b": ["F0", "B0", "F1", "B1"],
+                     "interleaved": ["F0c0", "F1c0", "F0c1", "B0c1", "F1c1", "B1c1", "B0c0", "B1c0"]}[schedule]
     summary = step_summary(events)
     assert 0.05 < summary["bubble_fraction"] < 0.75
-    assert abs(summary["bubble_fraction"] - theoretical_bubble(p, m)) < 0.25  # loose: the tiny model is unbalanced
-    hidden = 256
-    assert summary["comm_bytes"] == 2 * m * COMMON["micro_batch_size"] * COMMON["seq_len"] * hidden * 4
+    # loose: the tiny model is unbalanced; (p-1)/(v m+p-1) with v m chunk-sized slots
+    assert abs(summary["bubble_fraction"] - theoretical_bubble(p, v * m)) < 0.25
+    hidden = 256  # a micro-batch crosses the ranks 2 p v - 2 times, forward and backward
+    assert summary["comm_bytes"] == (2 * p * v - 2) * m * COMMON["micro_batch_size"] * COMMON["seq_len"] * hidden * 4
     step = read_log(job.log)[-1]
     assert step["comm_time_s"] >= 0 and step["bubble_fraction"] == pytest.approx(step["bubble_fraction"])
     assert len(step["stage_activation_peak_bytes"]) == 2 and min(step["stage_activation_peak_bytes"]) > 0

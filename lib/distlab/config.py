@@ -91,7 +91,8 @@ class TrainConfig:
     # pipeline (chapter 04): the micro-batches of one step are the loop's grad_accum micro-batches of
     # micro_batch_size rows (m = grad_accum, or global_batch_size / micro_batch_size); every stage sees them all
     pipeline_stages: int | None = None  # pipeline/ds_pipeline: stages (None: one per rank; pure pipeline)
-    pipeline_schedule: str = "1f1b"  # pipeline: "1f1b" | "gpipe" (ds_pipeline always runs DeepSpeed's 1F1B)
+    # pipeline: "1f1b" | "gpipe" | "interleaved" (2 model chunks per rank); ds_pipeline always runs DeepSpeed's 1F1B
+    pipeline_schedule: str = "1f1b"
     stage_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None: balanced by count
     # tensor parallelism (chapter 07): ranks per tensor-parallel group; None: all ranks (tp), 2 (fsdp_tp)
     tp_size: int | None = None
@@ -273,7 +274,7 @@ RULES = {
     "num_threads": _at_least(1), "collective_timeout_s": _at_least(1),
     "ddp_comm_hook": _one_of("fp16", "bf16", "powersgd"), "powersgd_rank": _at_least(1),
     "rank_shares": (lambda v: len(v) > 0 and min(v) > 0, "a non-empty list of positive numbers"),
-    "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe"),
+    "pipeline_stages": _at_least(1), "pipeline_schedule": _one_of("1f1b", "gpipe", "interleaved"),
     "stage_layers": (lambda v: len(v) > 0 and min(v) >= 1, "a non-empty list of layer counts >= 1"),
     "tp_size": _at_least(1), "checkpoint_steps": _at_least(0), "keep_checkpoints": _at_least(1),
     "resume": (lambda v: True, "true, false or force"),

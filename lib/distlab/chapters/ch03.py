@@ -1,11 +1,13 @@
 """Chapter 03 (FSDP and ZeRO): who holds what under each strategy, drawn; the by-hand scripts' results as
 tables; each rank's measured state bytes stacked per strategy against the planner; communication per step
 from the formulas against the measured collectives; the loss curves compared; the planner's answers for the
-LAN cluster's cards, as a table and as a figure."""
+LAN cluster's cards, as a table and as a figure; FSDP's communication against compute in a profiler trace."""
 
 from __future__ import annotations
 
 import inspect
+import json
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
@@ -13,6 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Rectangle
 
+from distlab.chapters.ch02 import torchrun_module_or_script
 from distlab.planning import memory
 from distlab.planning.memory import GIB, breakdown_table
 from distlab.provenance import save_figure
@@ -267,3 +270,78 @@ def plan_figure(models: Mapping[str, object], model: str = "Qwen2.5-7B-Instruct"
     fig.axes[0].set_xlabel(f"GiB per rank (planned); dashed: usable after a {RESERVE_GIB:g} GiB reserve")
     fig.tight_layout()
     return fig
+
+
+# ---------------------------------------------------------------- FSDP's overlap, traced
+
+
+def trace_fsdp_steps(out_dir, steps: int = 2, nproc: int = 2, timeout_s: int = 300) -> dict:
+    """Run distlab.measure.fsdp_trace on `nproc` ranks (fully_shard, full fine-tuning of the tiny model);
+    rank 0's traced spans (compute, all-gathers, reduce-scatters, steps)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torchrun_module_or_script("distlab.measure.fsdp_trace", nproc, [str(out_dir), "--steps", str(steps)],
+                              timeout_s=timeout_s, module=True)
+    return json.loads((out_dir / "rank0.json").read_text())
+
+
+def _union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(a: float, b: float, union: Sequence[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
+
+
+def overlap_share(trace: Mapping) -> pd.DataFrame:
+    """Per collective kind: how many ran, their time (ms, their union on gloo's threads), and the part of
+    it during which the training thread was computing (matrix products, attention): the overlap."""
+    spans = trace["spans"]
+    compute = _union([(s["start_ms"], s["end_ms"]) for s in spans if s["kind"] == "compute"])
+    rows = []
+    for kind in ("all-gather", "reduce-scatter"):
+        comm = _union([(s["start_ms"], s["end_ms"]) for s in spans if s["kind"] == kind])
+        total = sum(b - a for a, b in comm)
+        hidden = sum(_covered(a, b, compute) for a, b in comm)
+        rows.append({"collective": kind, "count": sum(s["kind"] == kind for s in spans), "time_ms": total,
+                     "overlapped_ms": hidden, "overlap_share": hidden / total if total else 0.0})
+    steps = [s for s in spans if s["kind"] == "step"]
+    span = max(s["end_ms"] for s in steps) - min(s["start_ms"] for s in steps)
+    rows.append({"collective": "compute (training thread)", "count": sum(s["kind"] == "compute" for s in spans),
+                 "time_ms": sum(b - a for a, b in compute), "overlapped_ms": float("nan"),
+                 "overlap_share": float("nan")})
+    out = pd.DataFrame(rows).set_index("collective")
+    out.attrs["steps_ms"] = span
+    return out
+
+
+def plot_fsdp_trace(trace: Mapping, path, provenance: dict):
+    """Rank 0's traced steps: a lane of compute on the training thread over lanes of all-gathers and
+    reduce-scatters on gloo's threads; where a collective's bar sits under compute, the two overlapped."""
+    spans = trace["spans"]
+    end = max(s["end_ms"] for s in spans)
+    lanes = [("compute", "compute: matmuls, attention\n(training thread)", "C0"),
+             ("all-gather", "all-gather parameters\n(gloo thread)", "C2"),
+             ("reduce-scatter", "reduce-scatter gradients\n(gloo thread)", "C3")]
+    fig, ax = plt.subplots(figsize=(10, 2.9))
+    for y, (kind, label, color) in enumerate(reversed(lanes)):
+        bars = [(s["start_ms"], max(s["end_ms"] - s["start_ms"], end * 1e-4)) for s in spans if s["kind"] == kind]
+        ax.broken_barh(bars, (y - 0.35, 0.7), fc=color, ec="none")
+    for s in spans:
+        if s["kind"] == "step":
+            ax.axvline(s["start_ms"], color="k", ls=":", lw=0.8)
+    ax.set_yticks(range(len(lanes)), [label for _, label, _ in reversed(lanes)], fontsize=8)
+    ax.set(xlim=(0, end * 1.01), xlabel="ms since the first traced step started (dotted: a step starts)",
+           title=f"FSDP2 on rank 0 of {provenance.get('world_size', 2)}, {trace['steps']} steps traced: "
+                 "communication on gloo's threads against compute")
+    ax.title.set_fontsize(9)
+    fig.tight_layout()
+    out = save_figure(fig, path, provenance)
+    plt.close(fig)
+    return out

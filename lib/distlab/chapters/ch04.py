@@ -1,12 +1,13 @@
 """Chapter 04, pipeline training: the plumbing its notebook calls once per cell.
 
 The schedules drawn before anything is measured (GPipe, 1F1B and interleaved 1F1B simulated on ideal
-stages: simulate_schedule, draw_schedules), the by-hand script's launch, the loss-curve comparison,
-the bubble sweep (one measured pipeline run per schedule and micro-batch count, all in one launch,
-repeated in rounds), one row per run and their median over rounds, the DeepSpeed pipeline study's table rows,
+stages: simulate_schedule, draw_schedules), the loss-curve comparison, the bubble sweep (one measured
+pipeline run per schedule and micro-batch count, all in one launch, repeated in rounds), one row per run
+and their median over rounds, interleaved 1F1B beside 1F1B, the DeepSpeed pipeline study's table rows,
 and Gantt charts of the recorded timelines. What a timeline's numbers mean (the bubble in theory, the
 idle fractions, the hand-off and the cost models) is distlab.measure.bubble; the equal-stage model the
-sweep measures by default is distlab.models.balanced_bench_model.
+sweep measures by default is distlab.models.balanced_bench_model. The by-hand scripts run with
+distlab.chapters.ch02.run_script.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from matplotlib.patches import Patch
 
 from distlab import paths
 from distlab.attention import sdpa_backends
-from distlab.chapters.ch02 import result_line, torchrun_module_or_script
 from distlab.launch.local import launch_sweep, launch_training
 from distlab.layer_split import describe_split, split_layers
 from distlab.measure.bubble import (
@@ -56,16 +56,15 @@ def folders(figures_dir: str | Path | None) -> tuple[Path, Path]:
     return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
 
 
-def run_by_hand(script: str | Path, nproc: int = 2, timeout_s: int = 300) -> dict:
-    """Run a script on `nproc` local gloo ranks under torchrun (one thread each, a hard timeout), as
-    chapter 02 runs its by-hand data parallelism; returns the JSON it printed after `RESULT `."""
-    return result_line(torchrun_module_or_script(script, nproc=nproc, timeout_s=timeout_s))
-
-
 def bubble_formula(stages: int, microbatches: int, virtual: int = 1) -> float:
     """The idle fraction of a step on equal stages with free hand-offs: (p-1)/(v m + p-1); v = 1 for
     GPipe and 1F1B, v model chunks per rank for interleaved 1F1B (each chunk's work is 1/v of a stage's)."""
     return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def formula_text(virtual: int = 1) -> str:
+    """bubble_formula as a reader writes it."""
+    return "(p-1)/(m+p-1)" if virtual == 1 else f"(p-1)/({virtual:g}m+p-1)"
 
 
 def schedule_order(kind: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[tuple[str, int, int]]]:
@@ -185,7 +184,8 @@ def draw_schedules(path: str | Path, provenance: dict, stages: int = 2, microbat
 
 def plot_timeline(ax, events: Sequence[dict], title: str = "", show_comm: bool = False, unit: float = 1e3) -> None:
     """Gantt chart: one row per stage, forward (blue) and backward (orange) boxes labelled by
-    micro-batch. Idle gaps are the bubble. `show_comm` adds receive waits as thin grey bars."""
+    micro-batch (hatched: a rank's second model chunk, interleaved). Idle gaps are the bubble.
+    `show_comm` adds receive waits as thin grey bars."""
     evs = shift(events)
     stages = sorted({e["stage"] for e in evs if e["kind"] in COMPUTE_KINDS})
     colors = {"F": "#4C72B0", "B": "#DD8452"}
@@ -193,7 +193,8 @@ def plot_timeline(ax, events: Sequence[dict], title: str = "", show_comm: bool =
         y = e["stage"]
         if e["kind"] in COMPUTE_KINDS:
             w = (e["t1"] - e["t0"]) * unit
-            ax.barh(y, w, left=e["t0"] * unit, height=0.6, color=colors[e["kind"]], edgecolor="black", lw=0.4)
+            ax.barh(y, w, left=e["t0"] * unit, height=0.6, color=colors[e["kind"]], edgecolor="black", lw=0.4,
+                    hatch="///" if e.get("chunk", 0) else None)  # interleaved: the rank's second model chunk
             ax.text(e["t0"] * unit + w / 2, y, f"{e['kind']}{e['mb']}", ha="center", va="center", fontsize=6,
                     color="white")
         elif show_comm and e["kind"] == "recv":
@@ -214,33 +215,40 @@ def measure_run(run_dir) -> dict[str, Any]:
     summaries = [step_summary(r["events"]) for r in steady]
     agg = aggregate(summaries)
     first = steady[0]
-    agg.update(schedule=first["schedule"], stages=first["stages"], microbatches=first["microbatches"],
-               theory=theoretical_bubble(first["stages"], first["microbatches"]))
+    # v model chunks per rank: v m chunk-sized slots, each 1/v of a micro-batch's compute and hand-off per rank
+    v, p, m = first.get("virtual", 1), first["stages"], first["microbatches"]
+    agg.update(schedule=first["schedule"], stages=p, virtual=v, microbatches=m,
+               theory=bubble_formula(p, m, v))
     agg["diff"] = agg["bubble_fraction"] - agg["theory"]
     t, h = agg["compute_per_mb_s"], statistics.fmean(agg["handoff_per_mb_s"])
     agg["handoff_s"] = h
-    agg["model_handoff"] = handoff_bubble(first["stages"], first["microbatches"], statistics.fmean(t), h)
-    agg["model_costs"] = cost_bubble(t, h, first["microbatches"])
+    agg["model_handoff"] = handoff_bubble(p, v * m, statistics.fmean(t) / v, h / v)
+    agg["model_costs"] = cost_bubble([ts / v for ts in t], h / v, v * m)
     return agg
 
 
 def bubble_sweep(microbatches: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = ("gpipe", "1f1b"),
                  model: str | None = None, micro_batch_size: int = 2, seq_len: int = 256, steps: int = 4,
                  stages: int = 2, runs_dir=None, prefix: str = "bubble",
-                 extra: dict | None = None, echo: bool = False, timeout_s: int = 900, rounds: int = 1):
+                 extra: dict | None = None, echo: bool = False, timeout_s: int = 900, rounds: int = 1,
+                 also: Sequence[tuple[str, int]] = ()):
     """One measured pipeline run per (schedule, m) through the training loop, all in one launch
     (distlab.launch.local.launch_sweep), repeated `rounds` times (one launch per round, every configuration once in
     each, so a slow spell of the machine touches all of them alike); one row per (round, schedule, m)
     with the measured bubble (mean idle fraction over stages, median over steady steps), per-stage
-    idle, the theory, the two cost models and |measured - theory|. `over_rounds` summarises."""
+    idle, the theory, the two cost models and |measured - theory|. `also`: more (schedule, m) runs in the
+    same launches (the chapter's few interleaved runs). `over_rounds` summarises."""
     base = {"strategy": "pipeline", "pipeline_stages": stages, "model": model, "micro_batch_size": micro_batch_size,
             "seq_len": seq_len, "max_steps": steps, "warmup_steps": 1, "measure_comm": True, "eval_file": None,
             "save_model": False, "logging_steps": 1, "lora_dropout": 0.0, **(extra or {})}
     rows = []
     for rnd in range(rounds):
         tag = prefix if rounds == 1 else f"{prefix}_r{rnd}"
+        # schedules alternate within a launch, in reverse order every other round: a slow spell of the
+        # machine falls on neighbouring runs of different schedules, and on each in turn
+        order = [(schedule, m) for m in microbatches for schedule in schedules] + list(also)
         variants = {f"{tag}_{schedule}_m{m}": {"pipeline_schedule": schedule, "grad_accum": m}
-                    for schedule in schedules for m in microbatches}
+                    for schedule, m in (order[::-1] if rnd % 2 else order)}
         jobs = launch_sweep(tag, stages, base, variants, runs_dir=runs_dir or RUNS_DIR, echo=False,
                             timeout_s=timeout_s)
         for name, job in jobs.items():
@@ -263,6 +271,7 @@ def _sweep_row(job, rnd: int, schedule: str, m: int, stages: int) -> dict[str, A
     agg = measure_run(job.output_dir)
     t = agg["compute_per_mb_s"]
     row = {"round": rnd, "schedule": schedule, "schedule_run": agg["schedule"], "m": m, "p": stages,
+           "v": agg["virtual"],
            "measured": agg["bubble_fraction"], "theory": agg["theory"], "abs_diff": abs(agg["diff"]),
            "model_handoff": agg["model_handoff"], "model_costs": agg["model_costs"],
            "compute_ms": 1e3 * statistics.fmean(t), "handoff_ms": 1e3 * agg["handoff_s"],
@@ -285,7 +294,7 @@ def over_rounds(df: pd.DataFrame) -> pd.DataFrame:
     measured bubble (`measured_min`, `measured_max`), |median measured - theory|, and the run folder
     of the median round (to draw)."""
     out = []
-    for (schedule, m), g in df.groupby(["schedule", "m"], sort=False):
+    for (schedule, m), g in df.sort_values(["m", "round"], kind="stable").groupby(["schedule", "m"], sort=False):
         row = {"schedule": schedule, "m": m, "rounds": len(g), "schedule_run": g["schedule_run"].iloc[0]}
         for c in g.columns:
             if c not in row and c not in ("round", "run_dir") and pd.api.types.is_numeric_dtype(g[c]):
@@ -306,7 +315,7 @@ def table_row(job, *, strategy: str, micro: int, ga: int, ckpt: bool, dtype: str
     T_eff = S x B_micro x GA x N with N the data-parallel size (a pure pipeline has N = 1: both
     stages work on the same tokens). tokens_per_s counts real (non-padding) tokens of all ranks."""
     summary = schema.summarise_logs(job.log)
-    row = {"strategy": strategy, "micro_bsz": micro, "GA": ga, "ckpt": "T" if ckpt else "F", "dtype": dtype,
+    row = {"strategy": strategy, "micro_bsz": micro, "GA": ga, "ckpt": "on" if ckpt else "off", "dtype": dtype,
            "N": data_parallel, "T_eff": seq_len * micro * ga * data_parallel}
     row.update({k: summary[k] for k in ("world_size", "steps_averaged", "step_time_s", "tokens_per_s", "comm_time_s",
                                         "comm_share", "peak_mem_bytes", "peak_mem_bytes_per_rank")})
@@ -329,12 +338,17 @@ def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3
         if rec is None:
             raise ValueError(f"{runs[label]}: no step {step} in its timeline (steps {[r['step'] for r in records]})")
         s = stage_idle(rec["events"])
-        theory = theoretical_bubble(rec["stages"], rec["microbatches"])
+        theory = bubble_formula(rec["stages"], rec["microbatches"], rec.get("virtual", 1))
         plot_timeline(ax, rec["events"], f"{label}: m={rec['microbatches']}, step {rec['step']}, bubble "
                                          f"{s['bubble']:.2f} (theory {theory:.2f})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0", "#DD8452")]
-    axes[-1].legend(handles, ["forward", "backward"], fontsize=7, loc="lower right")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))  # room for the provenance line
+    labels = ["forward", "backward"]
+    if any(r.get("virtual", 1) > 1 for records in timelines.values() for r in records):
+        handles.append(plt.Rectangle((0, 0), 1, 1, fc="white", ec="black", hatch="///"))
+        labels.append("a rank's second model chunk")
+    # below the charts, right of the provenance line: no box hidden
+    fig.legend(handles, labels, fontsize=7, loc="lower right", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
@@ -396,6 +410,16 @@ def bubble_columns(bub: pd.DataFrame) -> list[str]:
             + ["pipeline_span_s", "comm_time_s"])
 
 
+def interleaved_vs_1f1b(bub: pd.DataFrame) -> pd.DataFrame:
+    """1F1B and interleaved 1F1B at the micro-batch counts both ran: each one's formula, theory and
+    measured bubble (median over steady steps), and |measured - theory|."""
+    both = set(bub[bub.schedule == "1f1b"].m) & set(bub[bub.schedule == "interleaved"].m)
+    rows = bub[bub.schedule.isin(["1f1b", "interleaved"]) & bub.m.isin(both)].sort_values(["m", "schedule"])
+    out = rows[["m", "schedule", "v", "theory", "measured", "abs_diff", "pipeline_span_s"]].copy()
+    out.insert(3, "formula", [formula_text(v) for v in out["v"]])
+    return out.set_index(["m", "schedule"])
+
+
 def plot_bubble_vs_m(bub: pd.DataFrame, stages: int, path, provenance: dict) -> None:
     """Measured idle fraction (mean of stages and each stage) against m, beside the theory and the
     hand-off model; the two schedules drawn side by side at each m."""
@@ -429,8 +453,9 @@ def plot_bubble_vs_m(bub: pd.DataFrame, stages: int, path, provenance: dict) -> 
 
 
 def box_durations(run_dirs: dict[str, Any], step: int | None = None) -> pd.DataFrame:
-    """Median forward and backward box (ms) per stage in the drawn step of each labelled run, and the
-    step's span: what makes one timeline longer than another at the same count of idle slots."""
+    """Median forward and backward box (ms) per stage in the drawn step of each labelled run, the
+    step's span, and the minor page faults the stage's boxes took (fresh memory touched: its cost is
+    inside the boxes): what makes one timeline longer than another at the same count of idle slots."""
     rows = []
     timelines = {label: read_timeline(d) for label, d in run_dirs.items()}
     step = step if step is not None else typical_step(next(iter(timelines.values())))["step"]
@@ -443,6 +468,7 @@ def box_durations(run_dirs: dict[str, Any], step: int | None = None) -> pd.DataF
                 row[f"{kind} median ms"] = 1e3 * statistics.median(
                     e["t1"] - e["t0"] for e in compute if e["stage"] == stage and e["kind"] == kind)
             row["span ms"] = 1e3 * max(e["t1"] for e in compute)
+            row["page faults"] = sum(e.get("page_faults", 0) for e in compute if e["stage"] == stage)
             rows.append(row)
     return pd.DataFrame(rows).set_index(["schedule", "stage"])
 
@@ -550,7 +576,7 @@ def versus_fsdp(base: dict, pipeline_rows: pd.DataFrame, stages: int, steps: int
     rows = pipeline_rows[pipeline_rows.GA % stages == 0]
     variants = {f"04_fsdp_b{int(r.micro_bsz)}_ga{int(r.GA) // stages}_{r.dtype}":
                 {"micro_batch_size": int(r.micro_bsz), "grad_accum": int(r.GA) // stages,
-                 "activation_checkpointing": r.ckpt == "T", "dtype": dtypes[r.dtype]} for r in rows.itertuples()}
+                 "activation_checkpointing": r.ckpt == "on", "dtype": dtypes[r.dtype]} for r in rows.itertuples()}
     jobs = launch_sweep("04_fsdp", stages, {**base, "strategy": "fsdp", "pipeline_stages": None, "stage_layers": None,
                                             "max_steps": steps, "warmup_steps": 1, "measure_comm": True,
                                             "eval_file": None, "save_model": False, "lora": lora},

@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab import paths
-from distlab.chapters.ch02 import result_line, torchrun_module_or_script
+from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
 from distlab.inference.outputs import latency_stats, load_run
 from distlab.launch import local, process
 from distlab.metrics import read_log
@@ -132,11 +132,6 @@ def folders(figures_dir: str | Path | None) -> tuple[Path, Path]:
     work = paths.BUILD_DIR / "ch07"
     work.mkdir(parents=True, exist_ok=True)
     return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
-
-
-def run_script(script: str | Path, nproc: int = 2, timeout_s: int = 300) -> dict:
-    """Run a chapter script on `nproc` gloo ranks under torchrun (one thread each); rank 0's RESULT."""
-    return result_line(torchrun_module_or_script(script, nproc=nproc, timeout_s=timeout_s))
 
 
 def allreduce_bytes_per_layer(batch: int, seq: int, hidden: int, bytes_per_value: int = 4) -> dict[str, int]:

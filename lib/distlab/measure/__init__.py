@@ -7,6 +7,7 @@
   comm            communication time: DDP's comm hook, every torch.distributed collective    ch. 02-03
   collectives     counting collectives and their bytes, DTensor's included (a dispatch mode) ch. 07
   ddp_trace       one DDP step under torch.profiler: bucket all-reduces against backward      ch. 02
+  fsdp_trace      FSDP2 steps under torch.profiler: all-gathers, reduce-scatters vs compute  ch. 03
   state           bytes of weights, adapters, gradients, optimizer state a rank really holds ch. 01, 03
   pipeline_trace  per-micro-batch timeline of both pipelines, transfers, activation memory   ch. 04
   bubble          the bubble in theory and as read from a recorded timeline (pure functions) ch. 04

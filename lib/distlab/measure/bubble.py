@@ -11,6 +11,9 @@ and one per stage-to-stage send and receive, on a clock common to all ranks:
     {"stage": 0, "kind": "F", "mb": 3, "t0": 12.001, "t1": 12.045}                 compute
     {"stage": 1, "kind": "recv", "peer": 0, "what": "act", "t0": ..., "t1": ..., "bytes": 1048576}
 
+(t0: posted; t1: its wait returned; torch's receives also carry `tw`, when the wait began: the
+interleaved schedule posts receives early and computes meanwhile, so only tw..t1 is blocked.)
+
 Bubble. With p stages and m micro-batches, a fill-drain schedule (GPipe) keeps each stage busy for
 m forward+backward slots out of m + p - 1, so each stage idles for (p - 1) / (m + p - 1) of the
 step, whatever the forward/backward ratio, as long as the stages take equal time. 1F1B reorders the
@@ -112,7 +115,7 @@ def transfers(events: Sequence[dict]) -> list[dict]:
     for pair, r, s in matched_messages(events):
         ready = max(r["t0"], s["t0"]) if s is not None else r["t0"]
         out.append({"src": pair[0], "dst": pair[1], "what": r.get("what", ""), "bytes": r.get("bytes", 0),
-                    "transfer_s": max(0.0, r["t1"] - ready), "blocked_s": r["t1"] - r["t0"]})
+                    "transfer_s": max(0.0, r["t1"] - ready), "blocked_s": r["t1"] - r.get("tw", r["t0"])})
     return out
 
 
@@ -126,7 +129,7 @@ def peer_waits(events: Sequence[dict]) -> dict[int, float]:
     for _, r, s in matched_messages(events):
         w0, w1 = window.get(r["stage"], (r["t0"], r["t1"]))
         posted = s["t0"] if s is not None else r["t1"]
-        start, end = max(r["t0"], w0), min(posted, r["t1"], w1)
+        start, end = max(r.get("tw", r["t0"]), w0), min(posted, r["t1"], w1)
         wait[r["stage"]] += max(0.0, end - start)
     return dict(wait)
 

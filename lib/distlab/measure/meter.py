@@ -55,12 +55,12 @@ class Meter:
             self._collectives = CollectiveTimer().install()
             self._sources.append(self._collectives)
 
-    def watch_torch_pipeline(self, strategy, pp_stage, schedule) -> None:
+    def watch_torch_pipeline(self, strategy, pp_stages, schedule) -> None:
         if self.comm:
             # deferred: the trace's analysis loads pandas, which every rank would otherwise carry in its measured RSS
             from distlab.measure.pipeline_trace import trace_torch_pipeline
 
-            self._sources.append(trace_torch_pipeline(strategy, pp_stage, schedule))
+            self._sources.append(trace_torch_pipeline(strategy, pp_stages, schedule))
 
     def watch_deepspeed_pipeline(self, strategy, engine, instructions: dict) -> None:
         if self.comm:

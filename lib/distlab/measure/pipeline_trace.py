@@ -14,6 +14,8 @@ With `measure_comm`, distlab.measure.meter attaches one of these to the pipeline
   message's transfer time (receive done - both sides posted), `comm_time_s`; `p2p_blocked_s` is
   the time spent blocked in receives, waiting for the peer included (that part is the bubble).
   DeepSpeed's sends and receives are blocking, so each Send/Recv instruction spans the transfer.
+* Page faults: each compute event also counts the process's minor page faults during it (memory
+  the allocator got from the kernel and touched for the first time: on CPU, that time is in the box).
 * Activation memory: tensors autograd saves during each stage forward are counted through
   saved-tensor hooks (parameters excluded, each storage once) and released when the backward
   frees them: the peak bytes held for backward per stage. GPipe holds m micro-batches, 1F1B at
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -143,14 +146,18 @@ class PipelineTrace:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() + self.offset
 
-    def timed_compute(self, kind: str, fn, chunk_of):
-        """`fn` wrapped to record one compute event; `chunk_of(args, kwargs)` names the micro-batch."""
+    def timed_compute(self, kind: str, fn, chunk_of, model_chunk: int = 0):
+        """`fn` wrapped to record one compute event; `chunk_of(args, kwargs)` names the micro-batch,
+        `model_chunk` which of the rank's model chunks runs it (0 unless interleaved)."""
         def run(*args, **kwargs):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = self.now()
             with self.activations.saving() if kind == "F" else contextlib.nullcontext():
                 out = fn(*args, **kwargs)
-            self.events.append({"stage": self.stage, "kind": kind, "mb": chunk_of(args, kwargs),
-                                "t0": t0, "t1": self.now()})
+            t1 = self.now()
+            self.events.append({"stage": self.stage, "kind": kind, "mb": chunk_of(args, kwargs), "chunk": model_chunk,
+                                "t0": t0, "t1": t1,
+                                "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
             return out
         return run
 
@@ -168,7 +175,8 @@ class PipelineTrace:
         if s.is_main:
             with open(self.timeline, "a") as fh:
                 fh.write(json.dumps({"step": self.step, "schedule": s.schedule_used, "stages": s.num_stages,
-                                     "microbatches": s.microbatches, "events": events}) + "\n")
+                                     "virtual": s.virtual, "microbatches": s.microbatches,
+                                     "events": events}) + "\n")
         return {
             "comm_time_s": summary["comm_time_s"], "comm_bytes": summary["comm_bytes"],
             "p2p_blocked_s": summary["p2p_blocked_s"], "bubble_fraction": summary["bubble_fraction"],
@@ -180,14 +188,17 @@ class PipelineTrace:
         }
 
 
-def trace_torch_pipeline(strategy, pp_stage, schedule) -> PipelineTrace:
-    """Time-stamp a torch.distributed.pipelining stage and its schedule's sends and receives."""
+def trace_torch_pipeline(strategy, pp_stages, schedule) -> PipelineTrace:
+    """Time-stamp this rank's torch.distributed.pipelining stages (one per model chunk: events carry
+    the chunk's place on the rank, 0 ... v-1) and the schedule's sends and receives."""
     trace = PipelineTrace(strategy, strategy.stage_module)
-    compat.wrap_stage_chunks(
-        pp_stage,
-        lambda fn: trace.timed_compute("F", fn, lambda a, kw: a[0] if a else kw["fwd_chunk_id"]),
-        lambda fn: trace.timed_compute("B", fn, lambda a, kw: a[0] if a else kw["bwd_chunk_id"]))
+    for chunk, pp_stage in enumerate(pp_stages):
+        compat.wrap_stage_chunks(
+            pp_stage,
+            lambda fn, c=chunk: trace.timed_compute("F", fn, lambda a, kw: a[0] if a else kw["fwd_chunk_id"], c),
+            lambda fn, c=chunk: trace.timed_compute("B", fn, lambda a, kw: a[0] if a else kw["bwd_chunk_id"], c))
     me, step = trace.stage, schedule.step
+    what = "p2p" if len(pp_stages) > 1 else ""
     pending: dict[int, tuple[Any, list[dict]]] = {}
 
     def wrap_batch(batch_p2p):
@@ -197,8 +208,9 @@ def trace_torch_pipeline(strategy, pp_stage, schedule) -> PipelineTrace:
             evs = []
             for op in p2p_ops:
                 kind = "send" if op.op is dist.isend else "recv"
-                act = (kind == "send") == (op.peer > me)  # one stage per rank: the peer rank is its stage
-                evs.append({"stage": me, "kind": kind, "peer": op.peer, "what": "act" if act else "grad",
+                # one stage per rank: the peer rank is its stage; interleaved, both kinds go both ways
+                act = (kind == "send") == (op.peer > me)
+                evs.append({"stage": me, "kind": kind, "peer": op.peer, "what": what or ("act" if act else "grad"),
                             "t0": t0, "t1": t0, "bytes": op.tensor.numel() * op.tensor.element_size()})
             pending[id(works)] = (works, evs)
             return works
@@ -206,12 +218,13 @@ def trace_torch_pipeline(strategy, pp_stage, schedule) -> PipelineTrace:
 
     def wrap_wait(wait_batch_p2p):
         def timed(work):
+            tw = trace.now()  # interleaved schedules post receives early and wait later: blocked from here
             wait_batch_p2p(work)
             entry = pending.pop(id(work), None)
             if entry is not None:
                 t1 = trace.now()
                 for ev in entry[1]:
-                    ev["t1"] = t1
+                    ev["t1"], ev["tw"] = t1, tw
                 trace.events.extend(entry[1])
         return timed
 

@@ -13,7 +13,11 @@ data-parallel size is 1: every stage sees the same rows). All micro-batches are 
 loss is unchanged. Schedules: `ScheduleGPipe` (all forwards, then all backwards) and
 `Schedule1F1B` (one forward, one backward in steady state: at most p micro-batches in flight).
 torch requires m >= p for 1F1B; with fewer micro-batches 1F1B is the same order of work as GPipe,
-so that case runs ScheduleGPipe and the step log says so.
+so that case runs ScheduleGPipe and the step log says so. "interleaved" runs
+`ScheduleInterleaved1F1B` with VIRTUAL = 2 model chunks per rank (the model cut into 2p virtual
+stages, rank r holding r and r + p: distlab.strategies.staged): each chunk is its own PipelineStage,
+a micro-batch crosses the ranks twice, and the bubble shrinks to (p-1)/(2m+p-1). torch needs m to
+be a multiple of its rounds, max(1, m // p).
 
 Loss. The schedule's loss_fn multiplies the last stage's summed loss by 1 / (label tokens of the
 whole step) and the schedule runs with scale_grads=False: the gradients are single-device
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from distlab.device import DeviceChoice, autocast
 from distlab.layer_split import describe_split
@@ -35,7 +39,8 @@ from distlab.strategies.base import cosine_with_warmup
 from distlab.strategies.split import is_tied, stack_microbatches
 from distlab.strategies.staged import StagedStrategy
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+VIRTUAL = 2  # model chunks per rank under the interleaved schedule
 
 
 class PipelineStrategy(StagedStrategy):
@@ -49,6 +54,7 @@ class PipelineStrategy(StagedStrategy):
         if cfg.pipeline_schedule not in SCHEDULES:
             raise ValueError(f"pipeline_schedule={cfg.pipeline_schedule!r}: expected one of {', '.join(SCHEDULES)}")
         super().setup(cfg)
+        self.virtual = VIRTUAL if cfg.pipeline_schedule == "interleaved" else 1
 
     def prepare(self, model, choice: DeviceChoice, cfg):
         tied = is_tied(model.causal_lm)
@@ -57,9 +63,9 @@ class PipelineStrategy(StagedStrategy):
             ends = sorted({0, self.num_stages - 1})
             self.tie_group = dist.new_group(ends) if self.num_stages > 2 else dist.group.WORLD
             if self.is_first:
-                self.tied_param = self.stage_module.embed.weight
+                self.tied_param = self.chunks[0].embed.weight
             elif self.is_last:
-                self.tied_param = self.stage_module.head.weight
+                self.tied_param = self.chunks[-1].head.weight
         self.build_schedule(cfg.pipeline_schedule, cfg.micro_steps(1))
         optimizer = self.make_optimizer(self.stage_module, cfg.lr, cfg.weight_decay)
         if self.is_main:
@@ -68,15 +74,21 @@ class PipelineStrategy(StagedStrategy):
         return wrapped, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
 
     def build_schedule(self, schedule: str, microbatches: int) -> None:
-        """This rank's PipelineStage and schedule for m micro-batches per step."""
+        """This rank's PipelineStage(s), one per model chunk, and schedule for m micro-batches per step."""
         self.microbatches = microbatches
         self.schedule_used = schedule
         if schedule == "1f1b" and microbatches < self.num_stages:
             self.schedule_used = "gpipe"  # torch needs m >= p for 1F1B; with fewer it is GPipe's order anyway
-        stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, self.choice.device)
-        cls = Schedule1F1B if self.schedule_used == "1f1b" else ScheduleGPipe
-        self.schedule = cls(stage, n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
-        self.meter.watch_torch_pipeline(self, stage, self.schedule)  # the timeline, sends and receives
+        total = self.num_stages * self.virtual
+        stages = [PipelineStage(chunk, vs, total, self.choice.device)
+                  for vs, chunk in zip(self.chunk_stages, self.chunks)]
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=self._loss_fn,
+                                                    scale_grads=False)
+        else:
+            cls = Schedule1F1B if self.schedule_used == "1f1b" else ScheduleGPipe
+            self.schedule = cls(stages[0], n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self.meter.watch_torch_pipeline(self, stages, self.schedule)  # the timeline, sends and receives
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The last stage already returns the summed loss; the target is unused (the schedule wants one).

@@ -128,7 +128,7 @@ class NotOnThisStage(nn.Module):
         return f"{self.what} lives on another stage"
 
 
-def drop_other_stages(causal, layer_ids: range, first: bool, last: bool, stage: int) -> None:
+def drop_other_stages(causal, layer_ids, first: bool, last: bool, stage: int) -> None:
     """Replace everything this stage does not run by placeholders, so its memory is released."""
     decoder, _ = decoder_parts(causal)
     keep = set(layer_ids)
@@ -142,10 +142,22 @@ def drop_other_stages(causal, layer_ids: range, first: bool, last: bool, stage: 
         causal.set_output_embeddings(NotOnThisStage("the LM head", stage))
 
 
+class RankChunks(nn.Module):
+    """The model chunks one rank holds under an interleaved schedule (each runs as its own
+    PipelineStage): one module, so that the rank's parameters are `.parameters()`."""
+
+    def __init__(self, chunks: list[StageModule]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("each model chunk runs through the schedule as its own pipeline stage")
+
+
 class PipelinedModel(nn.Module):
     """What the training loop holds on a pipeline rank: the (partial) model and this rank's stage."""
 
-    def __init__(self, full: nn.Module, stage: StageModule, stage_index: int, ranges: list[range]):
+    def __init__(self, full: nn.Module, stage: nn.Module, stage_index: int, ranges: list[range]):
         super().__init__()
         self.full = full  # distlab.models.CausalLMWithLoss with other stages' parts as placeholders
         self.stage = stage

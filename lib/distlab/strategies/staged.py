@@ -7,6 +7,12 @@ clipped by the global norm over all stages; evaluation is a plain forward throug
 with sends and receives; saving gathers every stage's part onto rank 0 into one folder that
 `from_pretrained` loads, while checkpoints are written stage by stage.
 
+Model chunks. With `virtual` v > 1 (interleaved 1F1B), the model is cut into p v virtual stages and
+rank r holds v of them, r, r + p, r + 2p, ... (Megatron-LM's interleaved assignment): `chunks` are
+this rank's StageModules in that order, `stage_module` holds them all (one module: the optimizer,
+clipping, the activation meter and saving see every parameter of the rank). The token embedding is
+on virtual stage 0 (rank 0) and the head on the last one (rank p - 1), as with v = 1.
+
 Loss convention: the last stage returns the summed next-token loss of its micro-batch; the
 engine multiplies it by 1 / (label tokens of the whole step), so the gradients are exactly those
 of single-device training on the same global batch. A tied input/output embedding (the tiny
@@ -27,7 +33,7 @@ import torch.distributed as dist
 from distlab.device import DeviceChoice, autocast
 from distlab.layer_split import split_layers
 from distlab.strategies.base import DistributedStrategy, load_trained_weights, trained_weights
-from distlab.strategies.split import PipelinedModel, StageModule, drop_other_stages, stack_microbatches
+from distlab.strategies.split import PipelinedModel, RankChunks, StageModule, drop_other_stages, stack_microbatches
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 
@@ -40,7 +46,10 @@ class StagedStrategy(DistributedStrategy):
         self.cfg = None
         self.choice: DeviceChoice | None = None
         self.stage_index, self.num_stages = 0, 1
-        self.stage_module: StageModule | None = None
+        self.stage_module: StageModule | RankChunks | None = None
+        self.virtual = 1  # model chunks (virtual stages) per rank
+        self.chunks: list[StageModule] = []  # this rank's, in the order data flows through them
+        self.chunk_stages: list[int] = []  # their virtual stage indices: rank + k p
         self.schedule_used, self.microbatches = "", 1
         self.tie_group = None  # ranks that sum the tied embedding's gradient (torch pipeline)
         self.tied_param: torch.Tensor | None = None  # trained on both end stages (full fine-tuning)
@@ -83,10 +92,13 @@ class StagedStrategy(DistributedStrategy):
     def place_stage(self, model, choice: DeviceChoice, cfg) -> PipelinedModel:
         """Keep only this rank's stage of the model (the other stages' parts become placeholders)."""
         causal = model.causal_lm
-        ranges = split_layers(causal.config.num_hidden_layers, self.num_stages, cfg.stage_layers)
-        mine = ranges[self.stage_index]
-        stage = StageModule(causal, mine, self.is_first, self.is_last)
+        total = self.num_stages * self.virtual
+        ranges = split_layers(causal.config.num_hidden_layers, total, cfg.stage_layers)
+        self.chunk_stages = [self.stage_index + k * self.num_stages for k in range(self.virtual)]
+        self.chunks = [StageModule(causal, ranges[vs], vs == 0, vs == total - 1) for vs in self.chunk_stages]
+        mine = [i for vs in self.chunk_stages for i in ranges[vs]]
         drop_other_stages(causal, mine, self.is_first, self.is_last, self.stage_index)
+        stage = self.chunks[0] if self.virtual == 1 else RankChunks(self.chunks)
         self.stage_module, self.choice, self.microbatches = stage, choice, cfg.micro_steps(1)
         return PipelinedModel(model, stage, self.stage_index, ranges).to(choice.device)
 
@@ -147,13 +159,15 @@ class StagedStrategy(DistributedStrategy):
             raw = data.batch(rows)
             batch = stack_microbatches([raw], self.cfg.seq_len, choice.device)
             _, kwargs = self.stage_inputs(batch)
-            x = batch["input_ids"] if self.is_first else self._recv_tensor(self.stage_index - 1, choice.device)
-            with autocast(choice):
-                out = self.stage_module(x, **kwargs)
-            if self.is_last:
-                total[0] += float(out)
-            else:
-                self._send_tensor(out, self.stage_index + 1)
+            p = self.num_stages
+            for vs, chunk in zip(self.chunk_stages, self.chunks):  # virtual stage vs follows vs - 1 on rank r - 1
+                x = batch["input_ids"] if vs == 0 else self._recv_tensor((self.stage_index - 1) % p, choice.device)
+                with autocast(choice):
+                    out = chunk(x, **kwargs)
+                if chunk.last:
+                    total[0] += float(out)
+                else:
+                    self._send_tensor(out, (self.stage_index + 1) % p)
             total[1] += raw["n_label_tokens"]
         dist.broadcast(total, src=self.num_stages - 1)
         model.train(was_training)
