@@ -233,3 +233,12 @@ def test_full_finetuning_tied_embeddings_checkpoint_and_resume(tmp_path):
     b = AutoModelForCausalLM.from_pretrained(pp.output_dir / "model").state_dict()
     assert sorted(a) == sorted(b)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
+
+
+def test_the_study_benchmark_refuses_an_odd_ga_and_a_run_that_is_all_warm_up(capsys):
+    from distlab.bench import pipeline_study
+
+    for argv, said in ((["--gas", "2,3"], "must divide by 2"), (["--steps", "2"], "warm-up")):
+        with pytest.raises(SystemExit):
+            pipeline_study.main(argv)
+        assert said in capsys.readouterr().err

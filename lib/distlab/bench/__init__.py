@@ -6,7 +6,8 @@ never absolute targets. Each is `python -m distlab.bench.<name>` with `--help`.
   mfu_ladder          full fine-tuning tokens/s and MFU on one GPU, one optimisation added per rung      GPU
   ddp_scaling         2-rank DDP efficiency against 1 rank                                              ch. 02
   tensor_parallel     2-rank tensor parallelism (tp) against one device, full fine-tuning               ch. 07
-  pipeline_bubble     the measured pipeline bubble vs (p-1)/(m+p-1), GPipe and 1F1B                      ch. 04
+  pipeline_bubble     the measured pipeline bubble vs its formula, 1F1B and interleaved 1F1B              ch. 04
+  pipeline_study      the pipeline-vs-FSDP study's effective-token sweep toward ~100k tokens per step     ch. 04
   pipeline_inference  2 stages with micro-batches in flight vs 1 stage vs one at a time                  ch. 06
   lan_network         all-reduce bus bandwidth as a share of a shaped link                               ch. 05
   lan_balance         uneven micro-batches vs the equal split with one host slower                       ch. 05

@@ -1,0 +1,67 @@
+"""The DeepSpeed pipeline-vs-FSDP study's effective-token sweep, beyond chapter 04's budget.
+
+    python -m distlab.bench.pipeline_study [--gas 2,8,32,48] [--seq-len 1024] [--micro 2] [--steps 4]
+                                           [--strategy ds_pipeline|pipeline]
+
+Chapter 04 regenerates the study's table (full fine-tuning, 2 stages) up to T_eff = 4,096 tokens per step
+(sequences of 256 x micro-batches of 2 x GA 8) inside its few minutes. The study went on toward ~100k
+tokens per step. This runs the same rows at longer sequences and larger GA (T_eff = seq_len x micro x GA:
+98,304 at the defaults' largest), the 2-stage pipeline, then FSDP on the same 2 ranks at the same tokens
+per step (GA / 2 each), with chapter 04's functions (ch04.study_table, ch04.versus_fsdp), and prints, for
+each T_eff: the tokens/s of both and their ratio, and the pipeline's measured bubble beside its formula
+(p - 1)/(m + p - 1), m = GA. Each row's first steps are warm-up (distlab.results.schema.WARMUP_STEPS) and
+left out. Minutes on 2 cores: each step of the largest row runs 48 micro-batches of 2,048 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pandas as pd
+
+from distlab.chapters import ch04
+from distlab.cli import run_main
+from distlab.results import schema
+
+STAGES = 2
+
+
+def sweep(gas, seq_len: int = 1024, micro: int = 2, steps: int = 4, strategy: str = "ds_pipeline",
+          timeout_s: int = 3600) -> pd.DataFrame:
+    """One row per GA: T_eff, pipeline and FSDP tokens/s, FSDP / pipeline, the bubble against its formula."""
+    base = {"seq_len": seq_len, "lr": 1e-3, "logging_steps": 1, "lora_dropout": 0.0, "eval_at_start": False,
+            "pipeline_stages": STAGES}
+    dtypes = {"fp32": "fp32"}
+    rows = [[micro, ga, False, "fp32"] for ga in gas]
+    table = ch04.study_table(base, strategy, rows, STAGES, steps, seq_len, dtypes, lora=False, timeout_s=timeout_s)
+    versus = ch04.versus_fsdp(base, table, STAGES, steps, seq_len, dtypes, lora=False, timeout_s=timeout_s)
+    out = versus.set_index("pipeline GA")[["T_eff", "pipeline tokens/s", "FSDP tokens/s", "FSDP / pipeline",
+                                          "pipeline bubble"]]
+    out["bubble formula"] = [ch04.bubble_formula(STAGES, int(ga)) for ga in out.index]
+    return out.rename_axis("GA")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distlab.bench.pipeline_study",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gas", default="2,8,32,48", help="GA values (even: FSDP takes GA / 2 on each rank)")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--strategy", default="ds_pipeline", choices=["ds_pipeline", "pipeline"])
+    args = parser.parse_args(argv)
+    gas = [int(g) for g in args.gas.split(",")]
+    if any(g % STAGES for g in gas):
+        parser.error(f"--gas {args.gas}: every GA must divide by {STAGES} (FSDP runs GA / {STAGES} per rank)")
+    if args.steps <= schema.WARMUP_STEPS:
+        parser.error(f"--steps {args.steps}: the first {schema.WARMUP_STEPS} steps are warm-up; run more")
+    table = sweep(gas, args.seq_len, args.micro, args.steps, args.strategy)
+    with pd.option_context("display.width", 160):
+        print(table.round(3).to_string())
+    print(f"{args.strategy}, 2 stages, against FSDP on 2 ranks; full fine-tuning, fp32, sequences of {args.seq_len}, "
+          f"micro-batches of {args.micro}, one thread per rank; steady steps only (warm-up left out)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, sigterm_exits=True)  # a SIGTERM kills the launched process groups too
