@@ -235,10 +235,13 @@ def test_full_finetuning_tied_embeddings_checkpoint_and_resume(tmp_path):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4
 
 
-def test_the_study_benchmark_refuses_an_odd_ga_and_a_run_that_is_all_warm_up(capsys):
+def test_the_study_benchmark_refuses_an_odd_ga_a_run_that_is_all_warm_up_and_a_ga_the_data_cannot_fill(capsys):
     from distlab.bench import pipeline_study
 
-    for argv, said in ((["--gas", "2,3"], "must divide by 2"), (["--steps", "2"], "warm-up")):
+    sequences = pipeline_study.sequences_in(str(pipeline_study.TRAIN_FILE), 1024)
+    too_large = 2 * (sequences // 2 + 1)  # micro 2 x this GA needs more sequences than the file packs into
+    for argv, said in ((["--gas", "2,3"], "must divide by 2"), (["--steps", "2"], "warm-up"),
+                       (["--gas", f"2,{too_large}"], f"packs into {sequences} sequences")):
         with pytest.raises(SystemExit):
             pipeline_study.main(argv)
         assert said in capsys.readouterr().err
