@@ -8,6 +8,7 @@
   collectives     counting collectives and their bytes, DTensor's included (a dispatch mode) ch. 07
   ddp_trace       one DDP step under torch.profiler: bucket all-reduces against backward      ch. 02
   fsdp_trace      FSDP2 steps under torch.profiler: all-gathers, reduce-scatters vs compute  ch. 03
+  chrome_trace    reading a profiler's chrome trace into spans (ddp_trace, fsdp_trace)        ch. 02-03
   state           bytes of weights, adapters, gradients, optimizer state a rank really holds ch. 01, 03
   pipeline_trace  per-micro-batch timeline of both pipelines, transfers, activation memory   ch. 04
   bubble          the bubble in theory and as read from a recorded timeline (pure functions) ch. 04

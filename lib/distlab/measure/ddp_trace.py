@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from distlab.cli import finite_float, run_main
+from distlab.measure.chrome_trace import spans as chrome_trace_spans
 
 PHASES = ("forward", "backward", "optimizer step")
 BACKWARD_OP = "autograd::engine::evaluate_function: "
@@ -85,27 +86,17 @@ def traced_step(out_dir: Path, bucket_cap_mb: float, rows: int = 2, seq_len: int
     return result
 
 
+def _ddp_event(name: str) -> tuple[str, str] | None:
+    if name in PHASES:
+        return "phase", name
+    if name.startswith(BACKWARD_OP):
+        return "backward op", name[len(BACKWARD_OP):]
+    return {GLOO_ALLREDUCE: ("all-reduce", name), ALLREDUCE_CALL: ("all-reduce call", name)}.get(name)
+
+
 def spans_of(chrome_trace: dict) -> list[dict]:
     """The step's phases, backward ops and all-reduces from a chrome trace, in ms from the step's start."""
-    events = [e for e in chrome_trace.get("traceEvents", []) if e.get("ph") == "X"]
-    step = next(e for e in events if e["name"] == "step")
-    out = []
-    for e in events:
-        name = e["name"]
-        if name in PHASES:
-            kind = "phase"
-        elif name.startswith(BACKWARD_OP):
-            kind, name = "backward op", name[len(BACKWARD_OP):]
-        elif name == GLOO_ALLREDUCE:
-            kind = "all-reduce"
-        elif name == ALLREDUCE_CALL:
-            kind = "all-reduce call"
-        else:
-            continue
-        start = (e["ts"] - step["ts"]) / 1e3
-        out.append({"kind": kind, "name": name, "thread": e["tid"], "start_ms": start,
-                    "end_ms": start + e["dur"] / 1e3})
-    return sorted(out, key=lambda s: s["start_ms"])
+    return chrome_trace_spans(chrome_trace, "step", _ddp_event)
 
 
 def main(argv=None) -> int:

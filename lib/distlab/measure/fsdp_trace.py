@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from distlab.cli import run_main
+from distlab.measure.chrome_trace import spans as chrome_trace_spans
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
                "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
@@ -81,25 +82,17 @@ def traced_steps(out_dir: Path, steps: int, rows: int = 2, seq_len: int = 256) -
     return result
 
 
+def _fsdp_event(name: str) -> tuple[str, str] | None:
+    if name == "step":
+        return "step", name
+    if name in COMPUTE_OPS:
+        return "compute", name
+    return (COLLECTIVES[name], name) if name in COLLECTIVES else None
+
+
 def spans_of(chrome_trace: dict) -> list[dict]:
     """The traced steps, compute ops and collectives from a chrome trace, in ms from the first step's start."""
-    events = [e for e in chrome_trace.get("traceEvents", []) if e.get("ph") == "X"]
-    origin = min(e["ts"] for e in events if e["name"] == "step")
-    out = []
-    for e in events:
-        name = e["name"]
-        if name == "step":
-            kind = "step"
-        elif name in COMPUTE_OPS:
-            kind = "compute"
-        elif name in COLLECTIVES:
-            kind = COLLECTIVES[name]
-        else:
-            continue
-        start = (e["ts"] - origin) / 1e3
-        out.append({"kind": kind, "name": name, "thread": e["tid"], "start_ms": start,
-                    "end_ms": start + e["dur"] / 1e3})
-    return sorted(out, key=lambda s: s["start_ms"])
+    return chrome_trace_spans(chrome_trace, "step", _fsdp_event)
 
 
 def main(argv=None) -> int:
