@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from distlab.cli import run_main
+from distlab.inference.outputs import run_here
 from distlab.inference.stage_weights import random_checkpoint
-from distlab.launch import process
 from distlab.paths import BUILD_DIR
 
 MODES = {"1 stage": (1, None), "2 stages, in flight": (2, None), "2 stages, one at a time": (2, 1)}
@@ -32,13 +31,9 @@ def shape(width: int, layers: int) -> dict:
 
 def run_one(model_dir: Path, stages: int, in_flight: int | None, out_dir: Path, prompts: int, batch_size: int,
             new_tokens: int, timeout_s: float = 600) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages}",
-           "-m", "distlab.inference", "--model", str(model_dir), "--out-dir", str(out_dir), "--threads", "1",
-           "--num-prompts", str(prompts), "--batch-size", str(batch_size), "--max-new-tokens", str(new_tokens)]
-    if in_flight:
-        cmd += ["--in-flight", str(in_flight)]
-    process.run(cmd, timeout_s=timeout_s, log_path=out_dir / "launch.log", echo=False,
-               env={"OMP_NUM_THREADS": "1"})
+    args = ["--model", str(model_dir), "--num-prompts", str(prompts), "--batch-size", str(batch_size),
+            "--max-new-tokens", str(new_tokens)] + (["--in-flight", str(in_flight)] if in_flight else [])
+    run_here(stages, out_dir, args, timeout_s=timeout_s)
     return json.loads((out_dir / "summary.json").read_text())
 
 

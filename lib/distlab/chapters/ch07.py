@@ -5,7 +5,6 @@ the bytes a layer all-reduces against the formula, the loss of a `tp` run agains
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Mapping
 
@@ -15,8 +14,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab import paths
 from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
-from distlab.inference.outputs import latency_stats, load_run
-from distlab.launch import local, process
+from distlab.inference.outputs import latency_stats, load_run, run_here
+from distlab.launch import local
 from distlab.metrics import read_log
 from distlab.planning.memory import state_vs_plan
 from distlab.provenance import save_figure
@@ -201,18 +200,15 @@ def decode_comparison(model: str | None = None, prompts: int = 8, new_tokens: in
     ranks, all on CPU (gloo). Returns one row per (way, batch size) with tokens/s, time to first token and
     per-token latency in ms, and whether each 2-rank way's tokens equal its 1-rank way's."""
     work = folders(None)[1] / "decode"
-    common = ["--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens), "--threads", "1",
+    common = ["--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens),
               "--batch-size", ",".join(map(str, batch_sizes))] + (["--model", model] if model else [])
     ways = {"pipeline, 1 stage": ("distlab.inference", 1), "pipeline, 2 stages": ("distlab.inference", 2),
             "TP, 1 rank": ("distlab.inference.tp_decode", 1), "TP, 2 ranks": ("distlab.inference.tp_decode", 2)}
     on_cpu = {"distlab.inference": ["--device", "cpu"], "distlab.inference.tp_decode": []}  # both on gloo/CPU
     rows, tokens = [], {}
     for way, (module, ranks) in ways.items():
-        out = work / way.replace(", ", "_").replace(" ", "")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-               module, "--out-dir", str(out), *common, *on_cpu[module]]
-        process.run(cmd, timeout_s=timeout_s, log_path=work / f"{out.name}.log", echo=False,
-                    env={"OMP_NUM_THREADS": "1"})
+        out = run_here(ranks, work / way.replace(", ", "_").replace(" ", ""), [*common, *on_cpu[module]], module,
+                       timeout_s)
         for b in batch_sizes:
             folder = out / f"b{b}" if len(batch_sizes) > 1 else out
             done = [json.loads(line) for line in (folder / "completions.jsonl").read_text().splitlines()]

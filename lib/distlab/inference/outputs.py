@@ -1,18 +1,33 @@
 """Reading a pipeline-inference run back: what a job wrote into its out-dir (summary, completions, each
 stage's timeline and memory), its latency statistics and each stage's busy fraction, and whether two runs
 gave the same answers. Completions are read through distlab.inference.resume, so the torn last line a
-killed job may leave is never taken for an answer. The stage timeline is drawn by distlab.chapters.ch06."""
+killed job may leave is never taken for an answer. The stage timeline is drawn by distlab.chapters.ch06.
+`run_here` starts such a run on this machine (torchrun, one thread per rank) for the benchmarks and chapters."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 from distlab.inference.resume import COMPLETIONS, read_log
+from distlab.launch import process
 
 MIB = 2 ** 20
+
+
+def run_here(ranks: int, out_dir: str | Path, args: list[str], module: str = "distlab.inference",
+             timeout_s: float = 600) -> Path:
+    """Run a decoding entry point (distlab.inference, or distlab.inference.tp_decode) on `ranks` local
+    processes under torchrun, one thread each (OMP_NUM_THREADS=1: ranks do not fight over cores), writing
+    into out_dir; its log is out_dir/launch.log. Returns out_dir."""
+    out_dir = Path(out_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", module, "--out-dir", str(out_dir), "--threads", "1", *args]
+    process.run(cmd, timeout_s=timeout_s, log_path=out_dir / "launch.log", echo=False, env={"OMP_NUM_THREADS": "1"})
+    return out_dir
 
 
 def completions(out_dir: str | Path) -> list[dict]:
