@@ -283,7 +283,7 @@ class UtilizationSampler:
 Span = tuple[float, float, str]  # (start, end, label) in the CSV's clock: a phase of the run
 Event = tuple[float, str]  # (time, label): an instant, such as a kill or a restart
 
-LABEL_PITCH_IN = 0.13  # horizontal room one rotated label of the phase strip needs, in inches
+LABEL_PITCH_IN = 0.17  # horizontal room one rotated label of the phase strip needs, in inches
 
 
 def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
