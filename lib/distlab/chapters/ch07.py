@@ -115,6 +115,71 @@ def draw_mesh_2d(path: str | Path, provenance: dict, dp: int = 2, tp: int = 2) -
     return _saved(fig, path, provenance)
 
 
+GPU_W = 1.85  # width of one GPU's box in the mesh diagrams (data units)
+
+
+def _gpu(ax, x: float, y: float, rank: int, tp_index: int, text: str) -> None:
+    ax.add_patch(Rectangle((x, y), GPU_W, 1.0, fc=RANK_COLORS[tp_index % 2], alpha=0.3, ec="k"))
+    ax.text(x + GPU_W / 2, y + 0.68, f"rank {rank}", ha="center", va="center", weight="bold", fontsize=8)
+    ax.text(x + GPU_W / 2, y + 0.3, text, ha="center", va="center", fontsize=6.5)
+
+
+def _link(ax, a: tuple[float, float], b: tuple[float, float], color: str) -> None:
+    ax.annotate("", b, a, arrowprops=dict(arrowstyle="<->", color=color, lw=1.8))
+
+
+def draw_hsdp_and_3d(path: str | Path, provenance: dict) -> Path:
+    """Left: HSDP, a (replicate, shard) mesh of 2 nodes x 2 GPUs: FSDP inside each node (all-gather,
+    reduce-scatter on the fast link), the nodes replicas of each other (one all-reduce of each gradient
+    shard across nodes per step). Right: the 3-D mesh (pp, dp, tp) = (2, 2, 2) of 8 GPUs: TP inside a node,
+    FSDP between the nodes of one pipeline stage, and the pipeline's point-to-point sends between stages,
+    on the slowest links."""
+    fig, (ax_h, ax_3) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.55]})
+    ax_h.set(xlim=(-0.5, 9.0), ylim=(-0.6, 6.4), title="HSDP: shard inside a node, replicate across nodes")
+    for node in range(2):
+        y = 3.4 - 3.0 * node
+        ax_h.add_patch(Rectangle((0.2, y - 0.35), 4.95, 1.9, fc="none", ec="grey", ls="--"))
+        ax_h.text(-0.25, y + 0.6, f"node {node}\n(replica {node})", fontsize=7, color="grey", rotation=90,
+                  ha="center", va="center")
+        for g in range(2):
+            _gpu(ax_h, 0.5 + 2.65 * g, y, 2 * node + g, g, f"FSDP shard {g}")
+        _link(ax_h, (0.5 + GPU_W, y + 0.5), (3.15, y + 0.5), "C2")
+        ax_h.text(5.35, y + 0.5, "all-gather weights,\nreduce-scatter gradients\n(every layer, fast link)",
+                  fontsize=7, color="C2", va="center")
+    for g in range(2):
+        _link(ax_h, (0.5 + GPU_W / 2 + 2.65 * g, 3.38), (0.5 + GPU_W / 2 + 2.65 * g, 1.42), "C0")
+    ax_h.text(5.35, 2.4, "all-reduce of my gradient\nshard with my twin in the\nother node (once per step)",
+              fontsize=7, color="C0", va="center")
+    ax_h.text(4.0, -0.5, "each shard: 1/2 of every layer; mesh (replicate, shard) = (2, 2):\n"
+              "fully_shard(model, mesh=mesh) on a 2-D mesh is HSDP", ha="center", va="center", fontsize=7.5)
+    ax_h.axis("off")
+
+    ax_3.set(xlim=(0, 12.6), ylim=(-0.9, 6.4), title="3-D: pipeline x FSDP x TP on (pp, dp, tp) = (2, 2, 2)")
+    for stage in range(2):
+        x0 = 0.3 + 6.8 * stage
+        ax_3.add_patch(Rectangle((x0 - 0.15, -0.35), 5.3, 6.45, fc="C1", alpha=0.06, ec="C1"))
+        ax_3.text(x0 + 2.5, 5.8, f"pipeline stage {stage}: layers {'first' if stage == 0 else 'second'} half",
+                  ha="center", fontsize=7.5, color="C1")
+        for d in range(2):
+            y = 3.4 - 3.0 * d
+            ax_3.add_patch(Rectangle((x0, y - 0.3), 5.0, 1.75, fc="none", ec="grey", ls="--"))
+            ax_3.text(x0 + 0.05, y + 1.2, f"node {2 * stage + d}", fontsize=6.5, color="grey")
+            for t in range(2):
+                rank = 4 * stage + 2 * d + t
+                _gpu(ax_3, x0 + 0.3 + 2.65 * t, y, rank, t, f"TP {t}, FSDP shard {d}")
+            _link(ax_3, (x0 + 0.3 + GPU_W, y + 0.5), (x0 + 2.95, y + 0.5), "C3")
+        for t in range(2):
+            _link(ax_3, (x0 + 0.3 + GPU_W / 2 + 2.65 * t, 3.38), (x0 + 0.3 + GPU_W / 2 + 2.65 * t, 1.42), "C2")
+    for d in range(2):
+        y = 3.4 - 3.0 * d + 0.5
+        ax_3.annotate("", (7.1, y), (5.3, y), arrowprops=dict(arrowstyle="->", color="C0", lw=1.8))
+        ax_3.text(6.2, y + 0.15, "send/recv\nactivations", ha="center", va="bottom", fontsize=6.5, color="C0")
+    ax_3.text(6.25, -0.75, "red: TP all-reduces (every block)   green: FSDP gathers and reduce-scatters (every "
+              "layer)   blue: pipeline sends (every micro-batch)", ha="center", fontsize=7)
+    ax_3.axis("off")
+    return _saved(fig, path, provenance)
+
+
 def _saved(fig, path: str | Path, provenance: dict) -> Path:
     """A drawn diagram laid out, saved with its provenance, and closed (the notebook displays the file)."""
     fig.tight_layout()
