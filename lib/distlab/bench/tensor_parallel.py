@@ -10,9 +10,11 @@ tokens_per_s(tp) / tokens_per_s(single); "scaling_efficiency" is that over 2. It
 spread over rounds and the ratios, and asserts nothing: a speedup below 1 on a CPU is an honest result
 (every block's all-reduce through gloo against small matmuls), not a failure.
 
-The model: "wide" (default) is the tiny model's shape with a 4096-wide FFN (distlab.models.balanced_bench_model,
-random weights), where the split matmuls dominate a step and the all-reduces of b x s x h activations are
-small beside them; "tiny" is the chapters' model (FFN 688), where they are not.
+The model: "wide" (default) is the tiny model's shape with an 8192-wide FFN (distlab.models.balanced_bench_model,
+random weights), where the split matmuls are ~90% of a step's work and the all-reduces of b x s x h
+activations are small beside them (their bytes grow with the hidden size, 256, not with the FFN width);
+"tiny" is the chapters' model (FFN 688), where they are not. What a rank cannot split stays whole on both
+ranks: the embedding, the norms, the LM head and the loss (Amdahl's serial part).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from distlab.results import scaling_table, schema
 SETUP = {"lora": False, "micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "logging_steps": 1,
          "eval_at_start": False, "eval_at_end": False, "save_model": False, "measure_comm": False}
 RUNS = {1: "single", 2: "tp"}  # world size -> strategy
+WIDE_FFN = 8192  # the FFN width of the "wide" model: each rank's half of it still dominates its step
 
 
 def measure(steps: int = 12, rounds: int = 3, overrides: dict | None = None, runs_dir: Path | None = None,
@@ -54,9 +57,9 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="wide", help="wide (FFN 4096, compute-bound), tiny, or a model folder")
+    parser.add_argument("--model", default="wide", help="wide (FFN 8192, compute-bound), tiny, or a model folder")
     args = parser.parse_args(argv)
-    model = {"wide": balanced_bench_model(4096, 4), "tiny": None}.get(args.model, args.model)
+    model = {"wide": balanced_bench_model(WIDE_FFN, 4), "tiny": None}.get(args.model, args.model)
     with tempfile.TemporaryDirectory() as tmp:
         table = measure(args.steps, args.rounds, overrides={"model": model}, runs_dir=Path(tmp))
     print(f"model: {args.model} ({model or 'the tiny Qwen2'})")
