@@ -5,7 +5,8 @@ the held-out loss of each sharded strategy match DDP's for the same seed and glo
 result between markers and the collector reads them back from the console log; the bytes of
 weights, gradients and optimizer state each rank really owns match the planner (distlab.planning.memory)
 within 5% for single, DDP, FSDP, ZeRO-2 and ZeRO-3; the exported adapter/model loads with
-from_pretrained; and a relaunch resumes from the sharded checkpoints step for step.
+from_pretrained; a relaunch resumes from the sharded checkpoints step for step; ZeRO-Offload trains as
+ZeRO-2 does, and the offload settings are refused where they cannot apply.
 """
 
 from __future__ import annotations
@@ -167,3 +168,34 @@ def test_relaunch_resumes_from_the_sharded_checkpoint(runs, strategy, mode):
     again = launch_training(f"{strategy}_{mode}", 2, overrides(strategy, mode), runs_dir=root, echo=False, fresh=False)
     assert any("resumed from" in line and "step-00000002" in line for line in again.result.tail)
     assert losses(again) == before  # steps 1-2 from the checkpoint's log, step 3 recomputed: identical
+
+
+def test_zero_offload_optimizer_trains_as_without_it(runs):
+    """ZeRO-Offload (the optimizer state and its update in host memory) changes where the AdamW step runs,
+    not what it computes: the same losses as zero2 without offload. On this CPU-only machine it saves no
+    memory (everything is in host memory already); chapter 03 shows the GPU arithmetic."""
+    root, jobs = runs
+    job = launch_training("zero2_offload_lora", 2, {**overrides("zero2", "lora"), "zero_offload_optimizer": True},
+                          runs_dir=root, echo=False)
+    ds = json.loads((job.output_dir / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert losses(job) == pytest.approx(losses(jobs[("zero2", "lora")]), rel=LOSS_RTOL)
+
+
+def test_offload_settings_name_their_field_and_the_strategy_they_need():
+    from distlab.config import ConfigError, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"zero_offload_optimizer=true needs strategy zero2 or zero3 \(strategy='dd"):
+        TrainConfig(strategy="ddp", zero_offload_optimizer=True)
+    with pytest.raises(ConfigError, match=r"fsdp_cpu_offload=true needs strategy=fsdp \(strategy='zero3'"):
+        TrainConfig(strategy="zero3", fsdp_cpu_offload=True)
+
+
+def test_fsdp_cpu_offload_is_refused_on_a_cpu_device_with_the_reason():
+    import torch
+
+    from distlab.strategies.fsdp import offload_policy
+
+    with pytest.raises(ValueError, match="fsdp_cpu_offload=true needs a GPU.*nothing to offload"):
+        offload_policy(True, torch.device("cpu"))
+    assert type(offload_policy(False, torch.device("cpu"))).__name__ == "OffloadPolicy"  # no offload asked: none

@@ -35,7 +35,7 @@ FINGERPRINT = "fingerprint.json"
 # is compared unless it is named here. The batch fields and data files enter it resolved (below).
 NOT_IN_FINGERPRINT = frozenset({
     "device", "num_threads", "collective_timeout_s", "measure_comm", "measure_state", "activation_checkpointing",
-    "fsdp_reshard_after_forward", "zero_offload_optimizer", "pipeline_schedule", "checkpoint_steps",
+    "fsdp_reshard_after_forward", "zero_offload_optimizer", "fsdp_cpu_offload", "pipeline_schedule", "checkpoint_steps",
     "keep_checkpoints", "resume", "output_dir", "logging_steps", "eval_at_start", "eval_at_end", "save_model",
     "progress", "train_file", "eval_file", "micro_batch_size", "grad_accum", "global_batch_size"})
 # How the saved state is cut between ranks: a checkpoint of another layout cannot be loaded, forced or not.

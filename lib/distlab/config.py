@@ -86,6 +86,9 @@ class TrainConfig:
     fsdp_reshard_after_forward: bool = True
     # zero2/zero3: optimizer state and update on the CPU (DeepSpeed offload_optimizer)
     zero_offload_optimizer: bool = False
+    # fsdp: weights, gradients and optimizer state of every shard kept in host memory, each layer copied to
+    # the GPU when it runs (FSDP2's CPUOffloadPolicy); GPUs only: on a CPU they are in host memory already
+    fsdp_cpu_offload: bool = False
     # record the bytes of weights, gradients and optimizer state each rank holds (result JSON)
     measure_state: bool = False
     # pipeline (chapter 04): the micro-batches of one step are the loop's grad_accum micro-batches of
@@ -118,6 +121,12 @@ class TrainConfig:
         if self.ddp_comm_hook and self.strategy != "ddp":  # other strategies would ignore it without a word
             raise ConfigError(f"TrainConfig: ddp_comm_hook={self.ddp_comm_hook!r} needs strategy=ddp "
                               f"(strategy={self.strategy!r} does not all-reduce gradients through DDP)")
+        if self.zero_offload_optimizer and self.strategy not in ("zero2", "zero3"):
+            raise ConfigError(f"TrainConfig: zero_offload_optimizer=true needs strategy zero2 or zero3 "
+                              f"(strategy={self.strategy!r} has no DeepSpeed optimizer to offload)")
+        if self.fsdp_cpu_offload and self.strategy != "fsdp":
+            raise ConfigError(f"TrainConfig: fsdp_cpu_offload=true needs strategy=fsdp (strategy={self.strategy!r}; "
+                              "for DeepSpeed use zero_offload_optimizer)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

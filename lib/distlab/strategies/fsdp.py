@@ -31,11 +31,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distlab.device import DeviceChoice
 from distlab.strategies.base import DistributedStrategy, save_consolidated
 from distlab.strategies.split import decoder_layers
+
+
+def offload_policy(cpu_offload: bool, device: torch.device | str) -> OffloadPolicy:
+    """FSDP2's CPUOffloadPolicy when asked for (fsdp_cpu_offload): every shard, its gradient and its optimizer
+    state live in pinned host memory and the optimizer steps there; each layer's shard is copied to the GPU
+    for its all-gather. It needs an accelerator to copy to, so it is refused on a CPU device, with the reason."""
+    if not cpu_offload:
+        return OffloadPolicy()  # FSDP2's "no offload"
+    kind = torch.device(device).type
+    if kind != "cuda":
+        raise ValueError(f"fsdp_cpu_offload=true needs a GPU: FSDP2's CPUOffloadPolicy copies each layer's shard "
+                         f"to an accelerator; on {kind} the weights are in host memory already, so there is "
+                         "nothing to offload")
+    return CPUOffloadPolicy(pin_memory=True)
 
 
 class FSDPStrategy(DistributedStrategy):
@@ -59,15 +73,16 @@ class FSDPStrategy(DistributedStrategy):
         return MixedPrecisionPolicy(param_dtype=choice.autocast_dtype, reduce_dtype=torch.float32)
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
+        offload = offload_policy(self.cfg is not None and self.cfg.fsdp_cpu_offload, choice.device)
         model = model.to(choice.device)
         mp = self.mixed_precision(choice)
         reshard = self.cfg.fsdp_reshard_after_forward if self.cfg is not None else True
         for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
         # The root takes everything not in a layer: embedding, final norm and LM head (the same
         # tensor when tied, so it is sharded once). The root keeps its weights gathered between
         # forward and backward (FSDP2's default for the root): backward needs them first.
-        fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         return model
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
