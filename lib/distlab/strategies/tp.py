@@ -12,14 +12,17 @@ the same (already summed) gradients everywhere, so their updates stay identical 
 Sequence parallelism (`sequence_parallel`, Megatron's sequence parallelism, Korthikanti et al. 2022): between
 the blocks each rank keeps only its slice of the sequence (`Shard(1)` of batch x sequence x hidden), so the
 norms and residual additions work on s / tp tokens (`SequenceParallel` on both norms of a layer and on the
-final norm). Before a block the slices are all-gathered (attention and the MLP need every token: causal
-attention mixes them, and the rotary position embeddings and document boundaries come whole from the
-position ids, computed once for the whole sequence), and the block's row-parallel output is reduce-scattered
+final norm). Before a block the slices are all-gathered (its column-parallel matmuls compute this rank's
+features for every token, and causal attention mixes the tokens; the rotary position embeddings and document
+boundaries come whole from the position ids, computed once for the whole sequence), and the block's
+row-parallel output is reduce-scattered
 along the sequence instead of all-reduced: an all-reduce IS a reduce-scatter then an all-gather, so the
 bytes stay the same and the activations between blocks shrink by tp. The gathered input reaches q/k/v (and
 gate/up) as one DTensor, so the backward sums their partial input gradients first and reduce-scatters
 once per block. The embedding output is cut at the first layer's input (no communication; its gradient is
-all-gathered in backward), the final norm's output is all-gathered for the LM head and the loss.
+all-gathered in backward), the final norm's output is all-gathered for the LM head and the loss. The norms'
+weights see only this rank's tokens: their gradients are partial sums, all-reduced once per step
+(`sum_partial_gradients`). Not with LoRA yet (the gathered DTensor would reach the adapters' whole factors).
 
 The data is NOT split: every rank sees every row (data-parallel size 1), so the loop's token counts and
 loss need no sum over ranks. A rank computes the local heads of attention, which needs the key/value
