@@ -1,5 +1,7 @@
 """Tensor parallelism (chapter 07): the `tp` strategy's registration, refusals and plan, the collective counter,
-the notebook's by-hand split (in one process, then under torchrun) and the `tp` run against one device."""
+the notebook's by-hand split (in one process, then under torchrun), the `tp` run (with and without sequence
+parallelism) against one device, and the bytes a step sends under ddp, fsdp, tp and tp + sequence parallelism,
+formula against counted."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from distlab import paths
 from distlab.chapters import ch07
-from distlab.config import TrainConfig
+from distlab.config import ConfigError, TrainConfig, from_dict
 from distlab.launch import local
 from distlab.launch.spec import LaunchSpec
 from distlab.measure.collectives import CollectiveCounter
@@ -183,14 +185,18 @@ def test_the_notebook_scripts_match_one_device_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_tp_training_has_the_loss_of_one_device(tmp_path):
+    """tp and tp + sequence parallelism in one launch (one interpreter start), both against one device."""
     common = {"lora": False, "max_steps": 3, "micro_batch_size": 2, "grad_accum": 1, "seq_len": 128, "lr": 1e-3,
               "logging_steps": 1, "eval_at_start": False, "eval_at_end": False, "save_model": False}
     single = local.launch_training("t07_single", 1, {**common, "strategy": "single"}, runs_dir=tmp_path,
                                    scripts_dir=tmp_path, echo=False)
-    tp = local.launch_training("t07_tp", 2, {**common, "strategy": "tp", "save_model": True}, runs_dir=tmp_path,
-                               scripts_dir=tmp_path, echo=False)
-    losses = ch07.loss_comparison(single.log, tp.log)
-    assert len(losses) == 3 and losses["difference"].max() < 1e-5
+    runs = local.launch_sweep("t07_tp_runs", 2, {**common, "strategy": "tp"},
+                              {"t07_tp": {"save_model": True}, "t07_tp_sp": {"sequence_parallel": True}},
+                              runs_dir=tmp_path, scripts_dir=tmp_path, echo=False)
+    tp = runs["t07_tp"]
+    for job in runs.values():
+        losses = ch07.loss_comparison(single.log, job.log)
+        assert len(losses) == 3 and losses["difference"].max() < 1e-5
     saved = load_model(tp.output_dir / "model")  # rank 0 wrote whole weights, gathered from the slices
     cfg = saved.config
     assert saved.model.layers[0].mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size)
@@ -225,3 +231,59 @@ def test_the_torchrun_writer_takes_a_tp_size_for_two_nodes_of_tp_groups(tmp_path
     for path in scripts:
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
         assert "tp_size=2" in path.read_text()
+
+
+def test_sequence_parallel_is_a_tensor_parallel_setting():
+    assert from_dict({"strategy": "tp", "lora": False, "sequence_parallel": "true"}).sequence_parallel is True
+    with pytest.raises(ConfigError, match="sequence_parallel=true needs strategy tp or fsdp_tp, not 'ddp'"):
+        TrainConfig(strategy="ddp", sequence_parallel=True)
+    from distlab.launch.spec import LaunchSpecError
+
+    with pytest.raises(LaunchSpecError, match="only for the tensor-parallel strategies"):
+        LaunchSpec(nproc_per_node=2, strategy="fsdp", sequence_parallel=True)
+    assert local.training_spec("t", 2, {"strategy": "tp", "sequence_parallel": True}, local.TINY_CONFIG, 0, None, 60,
+                               paths.RUNS_DIR).sequence_parallel
+    with pytest.raises(ValueError, match="sequence_parallel with LoRA"):
+        TPStrategy().setup(TrainConfig(strategy="tp", lora=True, sequence_parallel=True))
+    assert not dist.is_initialized()
+
+
+def test_the_sequence_parallel_plan_shards_the_norms_and_regathers_before_each_block():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from distlab.strategies.tp import layer_plan
+
+    layer = load_model(None).model.layers[0]
+    plain, sp = layer_plan(layer), layer_plan(layer, sequence_parallel=True)
+    assert set(plain) < set(sp) and "input_layernorm" not in plain
+    assert all(isinstance(sp[n], SequenceParallel) for n in ("input_layernorm", "post_attention_layernorm"))
+    assert all(isinstance(sp[n], PrepareModuleInput) for n in ("self_attn", "mlp"))
+    assert all(isinstance(sp[n], RowwiseParallel) and sp[n].output_layouts == (Shard(1),)
+               for n in ("self_attn.o_proj", "mlp.down_proj")), "the block output reduce-scattered along the sequence"
+
+
+def test_the_step_formulas_follow_the_layout():
+    from distlab.planning.advice import step_bytes_sent
+
+    config = load_model(None).config
+    params = sum(p.numel() for p in load_model(None).parameters())
+    layers, act = config.num_hidden_layers, 4 * 256 * config.hidden_size * 4  # 4 rows of 256 tokens, fp32
+    assert step_bytes_sent(config, "ddp", 2, rows=4, seq_len=256) == {"gradients (all-reduce)": params * 4.0}
+    tp = step_bytes_sent(config, "tp", 2, rows=4, seq_len=256)
+    sp = step_bytes_sent(config, "tp", 2, rows=4, seq_len=256, sequence_parallel=True)
+    assert tp["activations (all-reduce)"] == 7 * layers * act, "2 forward + 5 backward all-reduces a layer"
+    assert sp["activations (all-gather, reduce-scatter)"] == (4 * layers + 1) * act, "Megatron's 4 a layer, +2 passes"
+    with pytest.raises(ValueError, match="knows ddp, fsdp and tp"):
+        step_bytes_sent(config, "zero3", 2, rows=4, seq_len=256)
+
+
+@pytest.mark.slow
+def test_each_strategy_sends_what_its_formula_says():
+    """One counting launch: ddp, fsdp, tp and tp + sequence parallelism, one step each on the same batch."""
+    measured = ch07.measure_step_bytes(rows=2, seq_len=64, timeout_s=300)
+    table = ch07.step_bytes_table(measured, load_model(None).config)
+    assert (table["measured / formula"] - 1).abs().max() < 1e-9, table
+    assert (table["step loss"] - table.loc["ddp", "step loss"]).abs().max() < 1e-5, "the same step, four splits"
+    sp_calls = {op for op, _, _ in measured["runs"]["tp + sequence parallel"]["calls"]}
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= sp_calls

@@ -19,6 +19,7 @@ from distlab.paths import EVAL_FILE, RUNS_DIR, TRAIN_FILE
 STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "pipeline", "ds_pipeline", "tp",
                                    "fsdp_tp")
 PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
+TP_STRATEGIES: tuple[str, ...] = ("tp", "fsdp_tp")  # every layer split over a tensor-parallel group
 
 # DeepSpeed settings distlab's DeepSpeed config uses, which the memory planner plans with too.
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
@@ -99,6 +100,9 @@ class TrainConfig:
     stage_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None: balanced by count
     # tensor parallelism (chapter 07): ranks per tensor-parallel group; None: all ranks (tp), 2 (fsdp_tp)
     tp_size: int | None = None
+    # tp / fsdp_tp: activations between blocks sharded along the sequence (norms on s / tp tokens); all-gather
+    # and reduce-scatter replace each block's all-reduce
+    sequence_parallel: bool = False
     # fault tolerance
     checkpoint_steps: int = 0  # 0: no periodic checkpoints
     keep_checkpoints: int = 2
@@ -118,6 +122,9 @@ class TrainConfig:
         # Built in code (a notebook, a test) the values are checked too; from_dict checks first, naming the source.
         for name in FIELDS:
             setattr(self, name, check_field(name, getattr(self, name), "TrainConfig"))
+        if self.sequence_parallel and self.strategy not in TP_STRATEGIES:
+            raise ConfigError(f"TrainConfig: sequence_parallel=true needs strategy tp or fsdp_tp, "
+                              f"not {self.strategy!r}")
         if self.ddp_comm_hook and self.strategy != "ddp":  # other strategies would ignore it without a word
             raise ConfigError(f"TrainConfig: ddp_comm_hook={self.ddp_comm_hook!r} needs strategy=ddp "
                               f"(strategy={self.strategy!r} does not all-reduce gradients through DDP)")

@@ -1,5 +1,6 @@
 """Chapter 07 (tensor parallelism): Megatron's split drawn, the by-hand and DTensor results set side by side,
-the bytes a layer all-reduces against the formula, the loss of a `tp` run against one device, and the 2-D
+the bytes a layer all-reduces against the formula, the loss of a `tp` run against one device, the bytes one
+optimizer step sends under ddp, fsdp, tp and tp with sequence parallelism (formula and counted), and the 2-D
 (FSDP x TP) mesh drawn, run on 4 ranks and its per-rank bytes set against the planner."""
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from distlab import paths
 from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
 from distlab.inference.outputs import latency_stats, load_run, run_here
 from distlab.launch import local
+from distlab.launch.torchrun import torchrun_flags
 from distlab.metrics import read_log
+from distlab.planning.advice import step_bytes_sent
 from distlab.planning.memory import state_vs_plan
 from distlab.provenance import save_figure
 from distlab.results.extract import collect_run
+from distlab.workers import launcher
+from distlab.workers.step_bytes import RUNS as STEP_BYTES_RUNS  # {name: (strategy, sequence_parallel)}
 
 RANK_COLORS = ("C0", "C1")
 
@@ -243,6 +248,45 @@ def train_one_and_tp(overrides: Mapping, timeout_s: int = 300) -> dict[str, loca
             "tp": local.launch_training("07_tp", 2, {**overrides, "strategy": "tp"}, timeout_s=timeout_s,
                                         echo=False)}
 
+
+# ---------------------------------------------------------------- sequence parallelism, and what each strategy sends
+
+def measure_step_bytes(rows: int, seq_len: int, timeout_s: int = 300) -> dict:
+    """One optimizer step of the same full fine-tuning of the tiny model as ddp, fsdp, tp and tp with sequence
+    parallelism, on two ranks on CPU (gloo), from the same weights on the same `rows` x `seq_len` batch, each
+    step's collectives counted (distlab.workers.step_bytes; a counting run: nothing is timed)."""
+    out = folders(None)[1] / "step_bytes.json"
+    args = ["--rows", str(rows), "--set", f"seq_len={seq_len}", "--set", "device=cpu", "--set", "dtype=fp32"]
+    launcher.run_worker("distlab.workers.step_bytes", out, args, torchrun_flags(2), timeout_s=timeout_s, echo=False)
+    measured = json.loads(out.read_text())
+    if list(measured["runs"]) != list(STEP_BYTES_RUNS):
+        raise ValueError(f"{out}: runs {list(measured['runs'])}, expected {list(STEP_BYTES_RUNS)}")
+    return measured
+
+
+def step_bytes_table(measured: Mapping, config) -> pd.DataFrame:
+    """Per strategy, the MiB one rank sends in the step: the formula (distlab.planning.advice.step_bytes_sent,
+    part by part) beside the counted collectives, their ratio, and the step's loss (the same for all four)."""
+    k, rows, seq = measured["world_size"], measured["rows"], measured["seq_len"]
+    table = {}
+    for name, (strategy, sequence_parallel) in STEP_BYTES_RUNS.items():
+        run = measured["runs"][name]
+        parts = step_bytes_sent(config, strategy, k, rows=rows, seq_len=seq, sequence_parallel=sequence_parallel)
+        table[name] = {"formula MiB": sum(parts.values()) / 2**20, "measured MiB": run["sent_bytes"] / 2**20,
+                       "largest part (formula)": max(parts, key=parts.get), "step loss": run["loss"]}
+    table = pd.DataFrame(table).T
+    table.insert(2, "measured / formula", table["measured MiB"] / table["formula MiB"])
+    return table.astype({"formula MiB": float, "measured MiB": float, "measured / formula": float, "step loss": float})
+
+
+def sequence_parallel_break_even(config, world_size: int = 2, grad_bytes: int = 4, activation_bytes: int = 2) -> float:
+    """Tokens per optimizer step (one micro-batch) at which tp + sequence parallelism sends what ddp sends: DDP's
+    bytes are the gradients, fixed by the parameters; TP's are activations, proportional to the tokens (the norms'
+    few gradient bytes left out). Defaults as on GPUs: gradients reduced in fp32, activations in bf16."""
+    ddp = sum(step_bytes_sent(config, "ddp", world_size, rows=1, seq_len=1, value_bytes=grad_bytes).values())
+    per_token = step_bytes_sent(config, "tp", world_size, rows=1, seq_len=1, value_bytes=activation_bytes,
+                                sequence_parallel=True)["activations (all-gather, reduce-scatter)"]
+    return ddp / per_token
 
 def train_2d(overrides: Mapping, world_size: int = 4, tp_size: int = 2, timeout_s: int = 300) -> local.TrainJob:
     """The same fine-tuning as `fsdp_tp` on a (world / tp, tp) mesh, recording each rank's state bytes."""

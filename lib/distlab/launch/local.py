@@ -96,6 +96,7 @@ def training_spec(name: str, world_size: int, overrides: Mapping[str, Any], conf
     return LaunchSpec(module="distlab.train", args=args, nproc_per_node=world_size, max_restarts=max_restarts,
                       pipeline_stages=stage_counts.pop() if stage_counts else None,
                       tp_size=tp_sizes.pop() if tp_sizes else None,
+                      sequence_parallel=any(r.get("sequence_parallel") for r in runs),
                       env=env, log_dir=str(output_dir / "torchrun"), timeout_s=timeout_s, kill_after_s=45,
                       python=sys.executable, description=f"{name}: {what} on {world_size} local rank(s)")
 

@@ -69,6 +69,7 @@ class LaunchSpec:
     strategy: str | None = None  # for validation; None: read `--set strategy=X` from args if any
     pipeline_stages: int | None = None  # pipeline only: the world splits into data-parallel groups of it
     tp_size: int | None = None  # fsdp_tp: ranks per tensor-parallel group (default 2); tp: all ranks
+    sequence_parallel: bool = False  # tp / fsdp_tp: activations between blocks cut along the sequence
     global_batch_size: int | None = None  # with micro_batch_size: must divide by micro x data-parallel size
     micro_batch_size: int | None = None
     python: str = "python"  # the interpreter; $PYTHON in the caller's environment overrides it
@@ -258,6 +259,8 @@ class LaunchSpec:
                 raise LaunchSpecError("tp_size", f"'tp' splits over all {world} ranks; {self.tp_size} needs fsdp_tp")
             if strategy not in ("tp", "fsdp_tp"):
                 raise LaunchSpecError("tp_size", f"only for the tensor-parallel strategies, not {strategy!r}")
+        if self.sequence_parallel and strategy not in ("tp", "fsdp_tp"):
+            raise LaunchSpecError("sequence_parallel", f"only for the tensor-parallel strategies, not {strategy!r}")
         if strategy == "fsdp_tp" and (world % (self.tp_size or 2) or world == (self.tp_size or 2)):
             raise LaunchSpecError("tp_size", f"fsdp_tp needs the world size ({world}) a multiple of the tp size "
                                              f"({self.tp_size or 2}) with at least two tp groups")

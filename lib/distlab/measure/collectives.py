@@ -44,3 +44,19 @@ class CollectiveCounter(compat.torch_dispatch_mode()):
     @property
     def bytes(self) -> int:
         return sum(b for _, b in self.calls)
+
+
+# Passes of a ring per collective (distlab.planning.advice counts the same way): an all-reduce is a
+# reduce-scatter then an all-gather.
+RING_PASSES = {"all_reduce": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+
+def sent_per_rank(calls, world_size: int) -> float:
+    """Bytes one rank sends on a ring for counted `calls` ((op, payload) pairs): (k-1)/k of the whole buffer
+    per pass. The payload of an all-gather is this rank's shard (its input), so the buffer is k times it."""
+    k = world_size
+    total = 0.0
+    for op, payload in calls:
+        whole = payload * k if op.startswith("all_gather") else payload
+        total += RING_PASSES[op] * (k - 1) / k * whole
+    return total

@@ -1,6 +1,8 @@
 """Which strategy to run on a set of GPUs, and what it costs on the wire (chapter 03).
 
-`communication_bytes` is what each rank sends per optimizer step. `recommend` walks the
+`communication_bytes` is what each rank sends per optimizer step (the planner's estimate); `step_bytes_sent`
+the same for one step of distlab's ddp, fsdp and tp (with and without sequence parallelism) as they really
+run, part by part, which chapter 07 sets against the collectives it counts. `recommend` walks the
 LAN-cluster guide's decision tree with the planner's numbers, in two parts: `decide` makes the
 choice and returns it as data (a `Decision`: every option weighed, and the branch that decided),
 and `explain` renders that decision as the prose the chapter prints.
@@ -8,13 +10,14 @@ and `explain` renders that decision as the prose the chapter prints.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
 from distlab.config import PIPELINE_STRATEGIES
-from distlab.planning.plan import plan_memory, tp_sliced
+from distlab.planning.plan import TP_ROWWISE, TP_SPLIT, plan_memory, tp_sliced
 from distlab.planning.shapes import config_value, parameter_count, parameter_layout
 from distlab.results.schema import MemoryBreakdown
 
@@ -60,6 +63,48 @@ def communication_bytes(config, strategy: str, world_size: int, *, lora_r: int |
         activations = 4 * layers * tokens * hidden * activation_bytes
         return fsdp + 2 * (tp - 1) / tp * activations
     return 0.0
+
+
+SCALAR_BYTES = 8  # tp's gradient norm: one float64 all-reduced per step (strategies.tp.global_grad_norm)
+
+
+def step_bytes_sent(config, strategy: str, world_size: int, *, rows: int, seq_len: int, value_bytes: float = 4,
+                    sequence_parallel: bool = False) -> dict[str, float]:
+    """Bytes one rank sends in one optimizer step of full fine-tuning, as distlab's strategies run it, by
+    part: `rows` x `seq_len` tokens per step in all (ddp and fsdp give each rank rows / world of them, tp
+    gives every rank all of them), one micro-batch, weights, gradients and activations of `value_bytes`
+    each (fp32 on CPU). On a ring a rank sends (k-1)/k of a buffer per pass: an all-gather or a
+    reduce-scatter is one pass, an all-reduce two (a reduce-scatter then an all-gather)."""
+    k = world_size
+    ring = (k - 1) / k
+    layout = parameter_layout(config)
+    layers, hidden = config_value(config, "num_hidden_layers"), config_value(config, "hidden_size")
+    if strategy == "ddp":
+        # every gradient all-reduced once, in buckets; the activations never leave a rank
+        return {"gradients (all-reduce)": 2 * ring * sum(p.numel for p in layout) * value_bytes}
+    if strategy == "fsdp":
+        # FSDP2 pads each tensor's first dimension to a multiple of k before cutting it into k shards
+        padded = {p.name: math.ceil(p.shape[0] / k) * k * math.prod(p.shape[1:]) for p in layout}
+        in_layers = sum(n for name, n in padded.items() if name.startswith("model.layers."))
+        # a layer's weights are gathered for its forward and again for its backward; the root (embedding, final
+        # norm, untied head) once: FSDP2 keeps the root gathered from forward to backward
+        return {"weights (all-gather)": ring * (2 * in_layers + sum(padded.values()) - in_layers) * value_bytes,
+                "gradients (reduce-scatter)": ring * sum(padded.values()) * value_bytes}
+    if strategy != "tp":
+        raise ValueError(f"step_bytes_sent knows ddp, fsdp and tp, not {strategy!r}")
+    activation = rows * seq_len * hidden * value_bytes  # one b x s x h tensor: every rank holds every row
+    norm_grad = {"gradient norm (all-reduce)": 2 * ring * SCALAR_BYTES}
+    if not sequence_parallel:
+        # forward: each row-parallel projection's partial sums; backward: each column-parallel projection's
+        # input gradient, summed on its own (q, k, v and gate, up are separate modules: 5, not Megatron's fused 2)
+        forward, backward = len(TP_ROWWISE), len(TP_SPLIT) - len(TP_ROWWISE)
+        return {"activations (all-reduce)": 2 * ring * (forward + backward) * layers * activation, **norm_grad}
+    # per block: all-gather in, reduce-scatter out, and their mirrors in backward (the block's inputs summed once):
+    # 8 single passes per layer, the bytes of 4 all-reduces. Once per step: the final norm's output gathered for
+    # the head, and the first layer's input gradient gathered for the embedding. The norms' weights see only
+    # this rank's tokens, so their gradients (2 per layer and the final norm, `hidden` values) are all-reduced.
+    return {"activations (all-gather, reduce-scatter)": ring * (8 * layers + 2) * activation,
+            "norm weight gradients (all-reduce)": 2 * ring * (2 * layers + 1) * hidden * value_bytes, **norm_grad}
 
 
 def _tp_degree_fits(config, tp: int) -> bool:

@@ -9,7 +9,8 @@ and gradients reduce-scattered across the dp groups. On GPU clusters tp stays in
 all-reduces sit on the critical path of every layer) and dp spans nodes.
 
 The loop's token counts and loss are summed over the dp group only: the tp ranks of a group hold the
-same rows. LoRA as `tp` splits it; no periodic checkpoints yet (as `tp`).
+same rows. LoRA as `tp` splits it; `sequence_parallel` as `tp` (inside each tp group); no periodic
+checkpoints yet (as `tp`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class FSDPxTPStrategy(FSDPStrategy):
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
         model = model.to(choice.device)
-        apply_tp_plan(model, self.mesh["tp"])  # first the tp slices, then FSDP shards each slice over dp
+        # first the tp slices, then FSDP shards each slice over dp
+        apply_tp_plan(model, self.mesh["tp"], self.cfg.sequence_parallel)
         mp = self.mixed_precision(choice)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=self.mesh["dp"], reshard_after_forward=self.cfg.fsdp_reshard_after_forward,

@@ -9,6 +9,21 @@ block, one all-reduce of the block's output in forward, and the mirror all-reduc
 gradient in backward. The embedding, the norms and the LM head stay whole on every rank; they receive
 the same (already summed) gradients everywhere, so their updates stay identical without communication.
 
+Sequence parallelism (`sequence_parallel`, Megatron's sequence parallelism, Korthikanti et al. 2022): between
+the blocks each rank keeps only its slice of the sequence (`Shard(1)` of batch x sequence x hidden), so the
+norms and residual additions work on s / tp tokens (`SequenceParallel` on both norms of a layer and on the
+final norm). Before a block the slices are all-gathered (its column-parallel matmuls compute this rank's
+features for every token, and causal attention mixes the tokens; the rotary position embeddings and document
+boundaries come whole from the position ids, computed once for the whole sequence), and the block's
+row-parallel output is reduce-scattered
+along the sequence instead of all-reduced: an all-reduce IS a reduce-scatter then an all-gather, so the
+bytes stay the same and the activations between blocks shrink by tp. The gathered input reaches q/k/v (and
+gate/up) as one DTensor, so the backward sums their partial input gradients first and reduce-scatters
+once per block. The embedding output is cut at the first layer's input (no communication; its gradient is
+all-gathered in backward), the final norm's output is all-gathered for the LM head and the loss. The norms'
+weights see only this rank's tokens: their gradients are partial sums, all-reduced once per step
+(`sum_partial_gradients`). Not with LoRA yet (the gathered DTensor would reach the adapters' whole factors).
+
 The data is NOT split: every rank sees every row (data-parallel size 1), so the loop's token counts and
 loss need no sum over ranks. A rank computes the local heads of attention, which needs the key/value
 head count divisible by the world size (`check_tp_degree`). With LoRA the plan splits each wrapped
@@ -25,8 +40,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from distlab.device import DeviceChoice
 from distlab.strategies.base import DistributedStrategy, save_consolidated
@@ -48,7 +70,7 @@ def check_tp_degree(config, tp: int) -> None:
                          f"heads ({heads}) and the FFN width ({config.intermediate_size}) divisible by {tp}")
 
 
-def layer_plan(layer: torch.nn.Module) -> dict:
+def layer_plan(layer: torch.nn.Module, sequence_parallel: bool = False) -> dict:
     """LAYER_PLAN for one decoder layer. A projection LoRA wraps (PEFT's lora.Linear) is split through its
     frozen `base_layer`, and its adapter so that it adds to the same slice: a column-parallel projection's
     lora_B is column-parallel (its lora_A, whole, sees the whole input), a row-parallel one's lora_A is
@@ -64,14 +86,40 @@ def layer_plan(layer: torch.nn.Module) -> dict:
         plan[f"{name}.base_layer"] = style()
         for adapter in modules[f"{name}.{factor}"]:  # a ModuleDict: one Linear per adapter name
             plan[f"{name}.{factor}.{adapter}"] = style()
+    if sequence_parallel:
+        plan.update(sequence_parallel_plan())
     return plan
 
 
-def apply_tp_plan(model: torch.nn.Module, mesh) -> None:
-    """Split every decoder layer's projections (and their LoRA adapters) over the mesh (in place)."""
+def sequence_parallel_plan() -> dict:
+    """What sequence parallelism changes in a decoder layer's plan: the norms work on this rank's tokens, each
+    block gathers the whole sequence once at its input (a DTensor, so q/k/v share one gather and, backward, one
+    reduce-scatter of their summed input gradients) and reduce-scatters its output back to token slices."""
+    tokens, whole = Shard(1), Replicate()
+    return {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
+                                            desired_input_kwarg_layouts={"hidden_states": whole}),
+            "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,)),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=tokens),
+            "mlp.down_proj": RowwiseParallel(output_layouts=tokens)}
+
+
+def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
+    """Split every decoder layer's projections (and their LoRA adapters) over the mesh (in place); with
+    `sequence_parallel`, also the activations between blocks along the sequence."""
     check_tp_degree(model.causal_lm.config, mesh.size())
-    for layer in decoder_layers(model):
-        parallelize_module(layer, mesh, layer_plan(layer))
+    layers = decoder_layers(model)
+    for layer in layers:
+        parallelize_module(layer, mesh, layer_plan(layer, sequence_parallel))
+    if sequence_parallel:
+        # the whole embedding output, equal on every rank, is cut into token slices at the first layer (a
+        # local slice, no communication); the final norm's slices are gathered for the LM head and the loss
+        parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                               desired_input_layouts=(Shard(1),),
+                                                               use_local_output=True))
+        norm = model.causal_lm.get_decoder().norm
+        parallelize_module(norm, mesh, SequenceParallel())
+        parallelize_module(norm, mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()))
 
 
 class TPStrategy(DistributedStrategy):
@@ -80,6 +128,7 @@ class TPStrategy(DistributedStrategy):
     def __init__(self) -> None:
         super().__init__()
         self.mesh = None
+        self.sequence_parallel = False
 
     @property
     def data_parallel_size(self) -> int:
@@ -93,10 +142,14 @@ class TPStrategy(DistributedStrategy):
     def refuse_what_tp_cannot_do(name: str, cfg) -> None:
         if cfg.checkpoint_steps:
             raise ValueError(f"strategy {name!r} writes no periodic checkpoints yet: set checkpoint_steps=0")
+        if cfg.sequence_parallel and cfg.lora:
+            raise ValueError(f"strategy {name!r}: sequence_parallel with LoRA is not supported yet (the gathered "
+                             "input reaches the adapters as a DTensor): set lora=false or sequence_parallel=false")
 
     def setup(self, cfg) -> None:
         self.refuse_what_tp_cannot_do(self.name, cfg)
         super().setup(cfg)
+        self.sequence_parallel = cfg.sequence_parallel
         if cfg.tp_size not in (None, self.world_size):
             raise ValueError(f"strategy 'tp' splits over all {self.world_size} ranks: tp_size={cfg.tp_size} "
                              "needs strategy fsdp_tp (tensor parallelism inside groups, FSDP across them)")
@@ -105,7 +158,7 @@ class TPStrategy(DistributedStrategy):
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
         model = model.to(choice.device)
-        apply_tp_plan(model, self.mesh)
+        apply_tp_plan(model, self.mesh, self.sequence_parallel)
         return model
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -119,6 +172,7 @@ class TPStrategy(DistributedStrategy):
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, foreach=False)
 
     def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
+        sum_partial_gradients(model)
         norm = global_grad_norm(model)
         if norm > max_grad_norm:
             for p in model.parameters():
@@ -136,6 +190,16 @@ class TPStrategy(DistributedStrategy):
         if self.is_main:
             save_consolidated(model, full, path, tokenizer)
         self.barrier()
+
+
+def sum_partial_gradients(model: torch.nn.Module) -> None:
+    """Under sequence parallelism a norm's weight (replicated) meets only this rank's tokens, so its gradient
+    comes back as a partial sum (placement Partial): summed here, once per step, before the norm and the update
+    read it (an all-reduce of `hidden` values per norm)."""
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(g.device_mesh, p.placements)
 
 
 def global_grad_norm(model: torch.nn.Module) -> float:
