@@ -1,5 +1,6 @@
 """Which decoder layers each pipeline stage holds: torch-free arithmetic shared by both pipelines
-(distlab.strategies.split), the memory planner and pipeline inference.
+(distlab.strategies.split), the memory planner and pipeline inference; and which tensor-parallel degrees
+a model's heads and FFN width allow (`tp_degree_problem`: strategies.tp and the recommender).
 
 The split (`split_layers`): balanced by layer count by default (the extra layers of an uneven
 division go to the earlier stages, since the last stage also carries the LM head), or an explicit
@@ -40,3 +41,17 @@ def describe_split(ranges: list[range]) -> list[str]:
         parts += ["norm + LM head + loss"] if s == len(ranges) - 1 else []
         out.append(f"stage {s}: " + " + ".join(parts))
     return out
+
+
+def tp_degree_problem(config, tp: int) -> str | None:
+    """Why `tp` ranks cannot split this model's layers (None: they can). A rank holds whole heads, every
+    query head needs its key/value head on the same rank, and the FFN is cut in equal blocks. config: an
+    HF config object or a dict of its fields."""
+    def value(key: str) -> int:
+        return int(config[key] if isinstance(config, dict) else getattr(config, key))
+
+    kv, heads, ffn = value("num_key_value_heads"), value("num_attention_heads"), value("intermediate_size")
+    if kv % tp or heads % tp or ffn % tp:
+        return (f"tensor parallelism over {tp} ranks needs the key/value heads ({kv}), the attention heads ({heads}) "
+                f"and the FFN width ({ffn}) divisible by {tp}")
+    return None

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 import pandas as pd
 
 from distlab.config import PIPELINE_STRATEGIES
+from distlab.layer_split import tp_degree_problem
 from distlab.planning.plan import TP_ROWWISE, TP_SPLIT, plan_memory, tp_sliced
 from distlab.planning.shapes import config_value, parameter_count, parameter_layout
 from distlab.results.schema import MemoryBreakdown
@@ -105,12 +106,6 @@ def step_bytes_sent(config, strategy: str, world_size: int, *, rows: int, seq_le
     # this rank's tokens, so their gradients (2 per layer and the final norm, `hidden` values) are all-reduced.
     return {"activations (all-gather, reduce-scatter)": ring * (8 * layers + 2) * activation,
             "norm weight gradients (all-reduce)": 2 * ring * (2 * layers + 1) * hidden * value_bytes, **norm_grad}
-
-
-def _tp_degree_fits(config, tp: int) -> bool:
-    """strategies.tp.check_tp_degree's rule, without importing torch: whole heads and FFN blocks per rank."""
-    return all(config_value(config, key) % tp == 0 for key in
-               ("num_attention_heads", "num_key_value_heads", "intermediate_size"))
 
 
 def _gib(nbytes: float) -> float:
@@ -249,7 +244,8 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
         return decision("sharded_fits", sharded, **more)
     # 3b. on a fast link, tensor parallelism in pairs of GPUs halves what FSDP gathers per layer (and the
     # projections each rank keeps); its per-layer all-reduces of activations need that link
-    if link_gbit and link_gbit >= FAST_LINK_GBIT and n >= 4 and n % 2 == 0 and _tp_degree_fits(model_config, 2):
+    pairs_fit = n >= 4 and n % 2 == 0 and tp_degree_problem(model_config, 2) is None
+    if link_gbit and link_gbit >= FAST_LINK_GBIT and pairs_fit:
         two_d = consider("fsdp_tp", weight_bytes)
         if two_d.fits_every_gpu:
             return decision("tp_fits", two_d, **more)

@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from distlab.device import DeviceChoice
+from distlab.layer_split import tp_degree_problem
 from distlab.strategies.base import DistributedStrategy, save_consolidated
 from distlab.strategies.split import decoder_layers
 
@@ -64,10 +65,9 @@ LAYER_PLAN = {
 
 def check_tp_degree(config, tp: int) -> None:
     """A rank holds whole heads, and every query head needs its key/value head on the same rank."""
-    kv, heads = config.num_key_value_heads, config.num_attention_heads
-    if kv % tp or heads % tp or config.intermediate_size % tp:
-        raise ValueError(f"tensor parallelism over {tp} ranks needs the key/value heads ({kv}), the attention "
-                         f"heads ({heads}) and the FFN width ({config.intermediate_size}) divisible by {tp}")
+    problem = tp_degree_problem(config, tp)
+    if problem:
+        raise ValueError(problem)
 
 
 def layer_plan(layer: torch.nn.Module, sequence_parallel: bool = False) -> dict:
