@@ -7,8 +7,11 @@ The same full fine-tuning (the same rows, every weight trained) runs on one proc
 machine noise hits both alike. Both see every row of every step, so their tokens/s (steady state after
 distlab.results.schema.WARMUP_STEPS, the slower rank's step time) compare directly: speedup =
 tokens_per_s(tp) / tokens_per_s(single); "scaling_efficiency" is that over 2. It prints the medians, the
-spread over rounds and the ratios, and asserts nothing: a speedup below 1 on a CPU is an honest result
-(every block's all-reduce through gloo against small matmuls), not a failure.
+spread over rounds and the ratios, then what one step sends under ddp, tp and tp with sequence parallelism
+(planning.advice.step_bytes_sent, which chapter 07 checks against counted collectives). It asserts nothing:
+a speedup below 1 on a CPU is an honest result (every block's all-reduce through gloo against small
+matmuls), not a failure. DDP's bytes grow with the parameters, TP's with the tokens: on the wide model TP
+sends less than DDP would, on the tiny one more.
 
 The model: "wide" (default) is the tiny model's shape with an 8192-wide FFN (distlab.models.balanced_bench_model,
 random weights), where the split matmuls are ~90% of a step's work and the all-reduces of b x s x h
@@ -24,8 +27,10 @@ import tempfile
 from pathlib import Path
 
 from distlab.cli import run_main
+from distlab.config import TrainConfig
 from distlab.launch.local import launch_training
-from distlab.models import balanced_bench_model
+from distlab.models import balanced_bench_model, resolve_model
+from distlab.planning.advice import step_bytes_sent
 from distlab.results import scaling_table, schema
 
 SETUP = {"lora": False, "micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "logging_steps": 1,
@@ -52,6 +57,18 @@ def measure(steps: int = 12, rounds: int = 3, overrides: dict | None = None, run
     return scaling_table.scaling_over_rounds(logs)
 
 
+def bytes_lines(model: str | None, rows: int, seq_len: int) -> list[str]:
+    """MiB one rank sends per step on 2 ranks, by strategy, for this model and batch (fp32)."""
+    from transformers import AutoConfig  # deferred: transformers is slow to import
+
+    config = AutoConfig.from_pretrained(resolve_model(model))
+    ways = {"ddp": ("ddp", False), "tp": ("tp", False), "tp + sequence parallel": ("tp", True)}
+    sent = {way: sum(step_bytes_sent(config, strategy, 2, rows=rows, seq_len=seq_len, sequence_parallel=sp).values())
+            for way, (strategy, sp) in ways.items()}
+    return [f"bytes one rank sends per step ({rows} rows x {seq_len} tokens, fp32): "
+            + ", ".join(f"{way} {b / 2**20:.1f} MiB" for way, b in sent.items())]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distlab.bench.tensor_parallel",
                                      description=__doc__.split("\n\n")[0])
@@ -65,6 +82,7 @@ def main(argv=None) -> int:
     print(f"model: {args.model} ({model or 'the tiny Qwen2'})")
     print("\n".join(scaling_table.scaling_lines(table, lambda k: f"{RUNS[k]} ({k} rank(s))")))
     print("tp against single; one thread per rank")
+    print("\n".join(bytes_lines(model, SETUP["micro_batch_size"], TrainConfig().seq_len)))
     return 0
 
 
