@@ -318,8 +318,8 @@ def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path
     the fastest rate plus the bytes it sends per step over the rate."""
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     grid = np.geomspace(sweep["Gbit/s"].min(), sweep["Gbit/s"].max(), 60)
-    for strategy, g in sweep.sort_values("Gbit/s").groupby("strategy"):
-        color = {"tp": "C3", "ddp": "C0"}[strategy]
+    for strategy, color in (("tp", "C3"), ("ddp", "C0")):
+        g = sweep[sweep.strategy == strategy].sort_values("Gbit/s")
         ax.plot(g["Gbit/s"], g["step s"], "o-", color=color, label=f"{strategy}: measured")
         ax.plot(grid, g["step s"].iloc[-1] + sent[strategy] * 8 / (grid * 1e9), "--", color=color,
                 label=f"{strategy}: predicted, fastest step + {sent[strategy] / 1e6:.1f} MB per step / rate")
