@@ -38,6 +38,12 @@ GOLDEN_SPECS["quoted-singularity-rocm"] = SlurmSpec(
     "quoted-singularity-rocm", args=["--prompts", "data/prompts/it's here.jsonl", "--batch-size", "4"], nodes=3,
     tasks_per_node=2, gpus_per_task=2, time="1-00:00:00", model_dir="models/my model", env={"HIP_VISIBLE": "0 1"},
     container=Container("img dir/x.sif", runtime="singularity", gpu_flag="--rocm"), script_dir="jobs/quoted")
+# a training job: FSDP across 2 nodes, tensor parallelism in pairs inside each (run.sh passes tp_size on)
+GOLDEN_SPECS["train-fsdp-tp-2x2"] = SlurmSpec(
+    "train-fsdp-tp-2x2", module="distlab.train", nodes=2, tasks_per_node=2, gpus_per_task=1, tp_size=2,
+    args=["--config", "lib/distlab/configs/tiny_lora.yaml", "--set", "strategy=fsdp_tp", "--set", "max_steps=20"],
+    out_dir="build/runs/slurm train", script_dir="jobs/train-fsdp-tp", description="FSDP x TP, 2 nodes x 2 GPUs")
+TRAIN = dict(module="distlab.train", args=["--set", "strategy=fsdp_tp"], nodes=2, tasks_per_node=2)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_SPECS))
@@ -99,12 +105,30 @@ def test_script_contents():
     ("env", dict(env={"X": "hf_" + "a" * 34})), ("args", dict(args=["--token", "hf_" + "a" * 34])),
     ("description", dict(description="token hf_" + "a" * 34)), ("log_dir", dict(log_dir="hf_" + "a" * 34)),
     ("env", dict(env={"RANK": "0"})), ("env", dict(env={"PATH": "/bin"})), ("module", dict(module="a b")),
+    # the tensor-parallel size of a training job: an integer that fits the strategy and the world size
+    ("tp_size", dict(TRAIN, tp_size=0)), ("tp_size", dict(TRAIN, tp_size="2")), ("tp_size", dict(TRAIN, tp_size=True)),
+    ("tp_size", dict(TRAIN, tp_size=3)), ("tp_size", dict(TRAIN, tp_size=4)),  # 4 ranks: one group of 4 is not 2-D
+    ("tp_size", dict(TRAIN, args=["--set", "strategy=tp"], tp_size=2)),  # tp splits over all 4 ranks
+    ("tp_size", dict(TRAIN, args=["--set", "strategy=ddp"], tp_size=2)), ("tp_size", dict(tp_size=2)),  # inference
+    ("tp_size", dict(TRAIN, args=["--set", "strategy=fsdp_tp", "--set", "tp_size=2"])),  # given once, checked
 ])
 def test_invalid_specs_name_the_field(field, kwargs):
     with pytest.raises(LaunchSpecError) as err:
         SlurmSpec(**{"name": "ok", **kwargs})
     assert err.value.field == field and str(err.value).startswith(f"SlurmSpec.{field}: ")
     assert "\n" not in str(err.value) and "\r" not in str(err.value)
+
+
+def test_a_training_job_passes_its_tp_size_and_says_where_the_groups_sit():
+    run = render_files(GOLDEN_SPECS["train-fsdp-tp-2x2"])["run.sh"]
+    assert "--set strategy=fsdp_tp" in run and "--set tp_size=2" in run and "--out-dir" not in run
+    assert "--set model=build/models/distlab-tiny-base" in run and \
+        "OUT_DIR='build/runs/slurm train'/\"$SLURM_JOB_ID\"" in run and '--set "output_dir=$OUT_DIR"' in run
+    inside = render_files(GOLDEN_SPECS["train-fsdp-tp-2x2"])["submit.sbatch"]
+    assert "# tensor parallelism: groups of 2 ranks, each inside one node (2 tasks per node)" in inside
+    across = SlurmSpec("tp-2x1", module="distlab.train", args=["--set", "strategy=tp"], nodes=2, tp_size=2)
+    assert "groups of 2 ranks that span nodes" in render_files(across)["submit.sbatch"]
+    assert "--set tp_size=2" in render_files(across)["run.sh"]
 
 
 def test_launch_slurm_is_what_the_generator_writes():

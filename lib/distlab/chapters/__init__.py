@@ -26,5 +26,6 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         cache) and width tables and figures, a run's stage timeline with its legend, and the stage-loss demo
   ch07  tensor parallelism: Megatron's split drawn, the by-hand and DTensor scripts run and compared, a layer's
         all-reduce bytes against the formula, a `tp` run's loss against one device, the 2-D mesh drawn and
-        run (each rank's bytes against the planner), and decoding split by layers against split within layers
+        run (each rank's bytes against the planner), decoding split by layers against split within layers, and
+        tp against ddp across chapter 05's shaped links (step time against link rate, beside bytes / rate)
 """

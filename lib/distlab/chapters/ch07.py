@@ -6,22 +6,30 @@ optimizer step sends under ddp, fsdp, tp and tp with sequence parallelism (formu
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab import paths
+from distlab.bench import lan_ddp
+from distlab.chapters import ch05
 from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
 from distlab.inference.outputs import latency_stats, load_run, run_here
+from distlab.lan import host_runs
+from distlab.lan.hosts import burst_bytes, rate_bits
 from distlab.launch import local
 from distlab.launch.torchrun import torchrun_flags
 from distlab.metrics import read_log
-from distlab.planning.advice import step_bytes_sent
+from distlab.planning.advice import communication_bytes, step_bytes_sent
 from distlab.planning.memory import state_vs_plan
+from distlab.planning.shapes import config_value
 from distlab.provenance import save_figure
+from distlab.results import schema
 from distlab.results.extract import collect_run
 from distlab.workers import launcher
 from distlab.workers.step_bytes import RUNS as STEP_BYTES_RUNS  # {name: (strategy, sequence_parallel)}
@@ -333,3 +341,97 @@ def decode_comparison(model: str | None = None, prompts: int = 8, new_tokens: in
 
 def _mean_ttft(completions: list[dict]) -> float:
     return sum(row["ttft_s"] for row in completions) / len(completions)
+
+
+# ---------------------------------------------------------------- TP and DDP across a slow link
+
+# LoRA, as on chapter 05's LAN; instruments off (throughput runs); the tiny model on CPU whatever the profile.
+LINK_TRAINING = {"lora": True, "lr": 1e-2, "measure_comm": False, "model": None, "device": "cpu", "dtype": "fp32"}
+DTENSOR_BACKWARD = 5  # all-reduces per layer in backward with the per-projection plan (section 4): q, k, v, gate, up
+
+
+def link_bytes(config, rows: int, seq_len: int, lora_r: int = 16) -> dict[str, float]:
+    """Bytes each of 2 ranks sends per optimizer step. tp: every layer's activation all-reduces of
+    rows x seq x hidden fp32 values, Megatron's 2 forward (allreduce_bytes_per_layer) and DTensor's 5
+    backward; ddp: the planner's ring all-reduce of the LoRA gradients. On 2 ranks a ring all-reduce sends
+    2 (k - 1) / k = 1 times its payload."""
+    hidden, layers = config_value(config, "hidden_size"), config_value(config, "num_hidden_layers")
+    layer = allreduce_bytes_per_layer(rows, seq_len, hidden)
+    per_layer = layer["forward"] + layer["backward"] * DTENSOR_BACKWARD / 2
+    return {"tp": layers * per_layer,
+            "ddp": communication_bytes(config, "ddp", 2, lora_r=lora_r, grad_bytes=4)}
+
+
+def link_runs(rates: Sequence[str], rows: int, seq_len: int) -> list[lan_ddp.LinkRun]:
+    """tp and ddp at every rate, fastest first; the same rows per step (tp's ranks all see them, ddp's split them)."""
+    common = {**LINK_TRAINING, "seq_len": seq_len}
+    return [lan_ddp.LinkRun(f"07_link_{rate}_{strategy}", rate, {**common, "strategy": strategy,
+                                                                 "micro_batch_size": rows // split})
+            for rate in sorted(rates, key=rate_bits, reverse=True) for strategy, split in (("tp", 1), ("ddp", 2))]
+
+
+def median_step_s(log: str | Path) -> float:
+    """The median over the steady steps (after the warm-up) of the slower rank's step time."""
+    merged = schema.merge_ranks({r: read_log(p) for r, p in enumerate(schema.rank_log_paths(log))})
+    return statistics.median(s["step_time_s"] for s in schema.steady(merged))
+
+
+def link_sweep(rates: Sequence[str], steps: int = 4, rows: int = 4, seq_len: int = 64, timeout_s: int = 300,
+               force_local: bool = False) -> tuple[pd.DataFrame, str]:
+    """tp and ddp on 2 emulated hosts (chapter 05's namespaces, links shaped with tc tbf) at each rate, in ONE
+    launch (lan_ddp.run_on_links: each run gets its rate as it starts). Returns (one row per rate and
+    strategy: the median steady step time and where it ran; which mode ran and why, as chapter 05 prints it).
+    Without namespaces the runs go to localhost agents over loopback: no rate is shaped there."""
+    runs = link_runs(rates, rows, seq_len)
+    placement = host_runs.place(2, max(rates, key=rate_bits), force_local=force_local)
+    with placement.running():
+        lan_ddp.run_on_links(placement, "07_link", runs, steps, timeout_s=timeout_s)
+    table = pd.DataFrame([{"rate": r.rate, "Gbit/s": rate_bits(r.rate) / 1e9, "strategy": r.overrides["strategy"],
+                           "step s": median_step_s(lan_ddp.RUNS / r.name / "train_log.jsonl"),
+                           "placement": placement.kind} for r in runs])
+    return table, ch05.mode(placement)
+
+
+def link_prediction(sent: Mapping[str, float], rates: Sequence[str], burst: bool = False) -> pd.DataFrame:
+    """Seconds the link needs for each strategy's bytes per step at each rate: bytes x 8 / bits per second.
+    `burst`: only for the bytes beyond one tbf bucket, which pass at once after the link was idle: no step at
+    that rate can be shorter (the link floor)."""
+    def beyond(n: float, rate: str) -> float:
+        return max(0.0, n - burst_bytes(rate)) if burst else n
+    return pd.DataFrame({rate: {s: beyond(n, rate) * 8 / rate_bits(rate) for s, n in sent.items()}
+                         for rate in rates}).T
+
+
+def link_table(sweep: pd.DataFrame, sent: Mapping[str, float]) -> pd.DataFrame:
+    """Per rate and strategy: MB sent per step, those bytes / the rate, the link floor (the bytes beyond one
+    tbf burst / the rate) and the measured slow-down (the median step time minus the one at the fastest rate)."""
+    fastest = sweep.loc[sweep["Gbit/s"].idxmax(), "rate"]
+    base = sweep[sweep.rate == fastest].set_index("strategy")["step s"]
+    rates = list(sweep.rate.unique())
+    predicted, floor = (link_prediction(sent, rates, burst).stack() for burst in (False, True))
+    keys = list(zip(sweep.rate, sweep.strategy))
+    out = sweep.assign(**{"MB per step": sweep.strategy.map(sent) / 1e6,
+                          "bytes / rate (s)": [predicted[k] for k in keys], "link floor (s)": [floor[k] for k in keys],
+                          "slow-down (s)": sweep["step s"] - sweep.strategy.map(base)})
+    columns = ["step s", "MB per step", "bytes / rate (s)", "link floor (s)", "slow-down (s)"]
+    return out.set_index(["rate", "strategy"])[columns].round(3)
+
+
+def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path, provenance: dict) -> Path:
+    """Median step time against the link rate (log x), tp and ddp, each beside its prediction: the step at
+    the fastest rate plus the bytes it sends per step over the rate."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    grid = np.geomspace(sweep["Gbit/s"].min(), sweep["Gbit/s"].max(), 60)
+    for strategy, color in (("tp", "C3"), ("ddp", "C0")):
+        g = sweep[sweep.strategy == strategy].sort_values("Gbit/s")
+        ax.plot(g["Gbit/s"], g["step s"], "o-", color=color, label=f"{strategy}: measured")
+        ax.plot(grid, g["step s"].iloc[-1] + sent[strategy] * 8 / (grid * 1e9), "--", color=color,
+                label=f"{strategy}: predicted, fastest step + {sent[strategy] / 1e6:.1f} MB per step / rate")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate, tc tbf on each host's link (Gbit/s)")
+    ax.set_ylabel("median step time (s)")
+    where = ("2 emulated hosts, links shaped by tc tbf" if (sweep.placement == "namespaces").all()
+             else "FALLBACK: 2 agents on localhost, links NOT shaped")
+    ax.set_title(f"tp and ddp on 2 ranks, tiny model with LoRA, the same rows per step\n{where}", fontsize=10)
+    ax.legend(fontsize=8)
+    return _saved(fig, path, provenance)

@@ -55,10 +55,14 @@ def rate_bits(rate: str) -> float:
     return int(m.group(1)) * RATE_BITS[m.group(2)]
 
 
+def burst_bytes(rate: str) -> int:
+    """tbf's bucket at `rate`: big enough to keep the rate at this kernel's timer granularity. It is also what
+    the link lets through at once after an idle spell, faster than the rate (a real wire keeps no such credit)."""
+    return (10 if rate_bits(rate) > 2e9 else 1) * 2**20  # tc's 10mb / 1mb
+
+
 def tbf_args(rate: str) -> list[str]:
-    """tbf with a bucket big enough to keep the rate at this kernel's timer granularity."""
-    burst = "10mb" if rate_bits(rate) > 2e9 else "1mb"
-    return ["tbf", "rate", rate, "burst", burst, "latency", "50ms"]
+    return ["tbf", "rate", rate, "burst", str(burst_bytes(rate)), "latency", "50ms"]
 
 
 def sh(*cmd: str, check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:

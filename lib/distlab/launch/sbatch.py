@@ -17,6 +17,13 @@ ones), the output folder named after the job instead of its id (`<out_dir>/<name
 `sbatch` of the same script again), and `--resume` given to the module (distlab.inference then skips the
 prompts already answered there). Submitting it twice is harmless: the second run finds nothing to do.
 
+A training job (`module="distlab.train"`, its `--config` and `--set strategy=...` in args) gets the model
+folder, the output folder and, for `tp` / `fsdp_tp`, `tp_size` as `--set` settings (distlab.train takes
+no --model / --out-dir). `tp_size` is checked as LaunchSpec checks it (spec.check_tp_size: `tp` splits
+over every rank, `fsdp_tp` needs at least two groups) and given once, never also in args; the header
+says whether each tensor-parallel group sits inside one node (srun puts consecutive ranks on a node), as
+it should: its all-reduces run every layer (chapter 07, section 10).
+
 With `container` (an image), srun runs `apptainer exec` (or `singularity exec`) with --nv / --rocm and
 the Slurm report's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
 on the host before the job starts.
@@ -43,13 +50,14 @@ from distlab.launch.shell import (
     quote,
     show,
 )
-from distlab.launch.spec import LaunchSpecError
+from distlab.launch.spec import LaunchSpecError, check_tp_size, setting_in_args, strategy_in_args
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 RUNTIMES = ("apptainer", "singularity")
 GPU_FLAGS = ("--nv", "--rocm")
 APP_DIR, WORKSPACE_DIR, MODEL_MOUNT = "/app", "/tmp/workspace", "/workspace/model"
 # run.sh sets these itself (from Slurm's variables, or to keep the job offline): the spec's env must not.
+TRAIN_MODULE = "distlab.train"  # reads `--set KEY=VALUE`: run.sh gives it the model, output folder and tp size so
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHON", "HF_HUB_OFFLINE",
                 "TRANSFORMERS_OFFLINE")
 
@@ -89,6 +97,7 @@ class SlurmSpec:
     script_dir: str = "launch/slurm"     # where run.sh lives, relative to the repository root
     description: str = ""
     resumable: bool = False              # requeue-safe: a stable out folder, --resume, logs appended
+    tp_size: int | None = None           # distlab.train with --set strategy=tp|fsdp_tp: ranks per TP group
 
     def __post_init__(self):
         self.validate()
@@ -129,6 +138,7 @@ class SlurmSpec:
         check_text(SlurmSpecError, "description", self.description, allow_empty=True)
         if not isinstance(self.resumable, bool):
             raise SlurmSpecError("resumable", f"{show(self.resumable)}: True or False")
+        self._validate_tp_size()
         c = self.container
         if c is not None:
             if c.runtime not in RUNTIMES:
@@ -138,9 +148,36 @@ class SlurmSpec:
             check_text(SlurmSpecError, "container.image", c.image)
             check_text(SlurmSpecError, "container.workspace", c.workspace)
 
+    def _validate_tp_size(self) -> None:
+        """LaunchSpec's rule (check_tp_size) on the job's world size, for a training job; the size is given
+        once, as this field (so that it is checked), never as `--set tp_size` in args."""
+        if self.module != TRAIN_MODULE:
+            if self.tp_size is not None:
+                raise SlurmSpecError("tp_size", f"{show(self.tp_size)}: only for {TRAIN_MODULE} jobs, "
+                                                f"not {self.module!r}")
+            return
+        check_tp_size(SlurmSpecError, self.tp_size, strategy_in_args(self.args), self.world_size)
+        in_args = setting_in_args(self.args, "tp_size")
+        if in_args is not None:
+            raise SlurmSpecError("tp_size", f"--set tp_size={in_args} in args: give it as tp_size, which is "
+                                            "checked against the world size and passed on by run.sh")
+
     @property
     def world_size(self) -> int:
         return self.ntasks or self.nodes * self.tasks_per_node
+
+    def tp_groups_note(self) -> str | None:
+        """Where the tensor-parallel groups sit: srun places consecutive ranks on a node, so a group stays
+        inside one node when its size divides the tasks per node (chapter 07, section 10: why it should)."""
+        strategy = strategy_in_args(self.args)
+        if strategy not in ("tp", "fsdp_tp"):
+            return None
+        size = self.tp_size or (self.world_size if strategy == "tp" else 2)
+        if self.ntasks is None and self.tasks_per_node % size == 0:
+            return (f"tensor parallelism: groups of {size} ranks, each inside one node "
+                    f"({self.tasks_per_node} tasks per node)")
+        return (f"tensor parallelism: groups of {size} ranks that span nodes: every layer's all-reduces cross the "
+                "network (keep a group inside a node where you can)")
 
 
 def render_sbatch(spec: SlurmSpec) -> str:
@@ -160,6 +197,7 @@ def render_sbatch(spec: SlurmSpec) -> str:
              (f"# {spec.ntasks} tasks on {spec.nodes} node(s)" if spec.ntasks else
               f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s)") + f" = world size {spec.world_size}"
              + (f"; container {spec.container.runtime} (rendered here, not executed)" if spec.container else ""),
+             *([f"# {spec.tp_groups_note()}"] if spec.tp_groups_note() else []),
              *([f"# Resumable: writes into {spec.out_dir}/{spec.name}/ and skips what an earlier run answered there; "
                 "sbatch it again or `scontrol requeue <id>` after a lost stage"] if spec.resumable else []),
              "# Submit from the repository root (Slurm opens the --output file first, so its folder must exist):",
@@ -204,8 +242,13 @@ def render_run(spec: SlurmSpec) -> str:
     spec.validate()
     model = MODEL_MOUNT if spec.container else spec.model_dir
     out = f"{WORKSPACE_DIR}/outputs" if spec.container else spec.out_dir
-    args = list(spec.args) + ([spec.model_arg, model] if spec.model_arg else []) + (
-        ["--resume"] if spec.resumable else [])
+    if spec.module == TRAIN_MODULE:  # distlab.train takes settings, not --model / --out-dir
+        args = list(spec.args) + ["--set", f"model={model}"] + (
+            ["--set", f"tp_size={spec.tp_size}"] if spec.tp_size is not None else [])
+    else:
+        args = list(spec.args) + ([spec.model_arg, model] if spec.model_arg else []) + (
+            ["--resume"] if spec.resumable else [])
+    out_flag = '--set "output_dir=$OUT_DIR"' if spec.module == TRAIN_MODULE else '--out-dir "$OUT_DIR"'
     lines = ["#!/bin/bash",
              f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              "# One task of the job: srun starts it once per rank" + (" inside the container." if spec.container
@@ -221,7 +264,7 @@ def render_run(spec: SlurmSpec) -> str:
     lines += [f"OUT_DIR={quote(out + '/' + spec.name)}" if spec.resumable else f'OUT_DIR={quote(out)}/"$SLURM_JOB_ID"',
               'echo "rank $RANK/$WORLD_SIZE on $(hostname) (${SLURMD_NODENAME:-?}), master $MASTER_ADDR:$MASTER_PORT"',
               'exec "${PYTHON:-python3}" -m ' + quote(spec.module) + " \\",
-              "  " + " ".join(quote(a) for a in args) + ' --out-dir "$OUT_DIR"' if args else '  --out-dir "$OUT_DIR"']
+              "  " + " ".join(quote(a) for a in args) + f" {out_flag}" if args else f"  {out_flag}"]
     return "\n".join(lines) + "\n"
 
 

@@ -27,6 +27,7 @@ from distlab.launch.network import NetworkPresetError, get_preset
 from distlab.launch.shell import NAME_RE, SpecError, check_env, check_fields, check_module, check_text, show
 
 RENDEZVOUS = ("standalone", "static", "c10d")
+TP_STRATEGIES = ("tp", "fsdp_tp")  # the strategies that take a tensor-parallel size
 TORCHRUN_SHUTDOWN_S = 30  # torchrun's default --shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
 
 _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_.-]*)$")  # name, IPv4, [IPv6]
@@ -102,7 +103,7 @@ class LaunchSpec:
 
     @property
     def effective_strategy(self) -> str | None:
-        return self.strategy or _strategy_in_args(self.args)
+        return self.strategy or strategy_in_args(self.args)
 
     @property
     def rendezvous_host(self) -> str | None:
@@ -232,7 +233,7 @@ class LaunchSpec:
             check_text(LaunchSpecError, "env_notes", note, what=name)
 
     def _validate_strategy(self) -> None:
-        in_args = _strategy_in_args(self.args)
+        in_args = strategy_in_args(self.args)
         known = ", ".join(STRATEGY_NAMES)
         if self.strategy is not None and self.strategy not in STRATEGY_NAMES:
             raise LaunchSpecError("strategy", f"unknown strategy {self.strategy!r}; one of {known}")
@@ -253,17 +254,9 @@ class LaunchSpec:
                                                          f"{self.pipeline_stages} stages")
         elif self.pipeline_stages is not None:
             raise LaunchSpecError("pipeline_stages", f"only for the pipeline strategies, not {strategy!r}")
-        if self.tp_size is not None:
-            _check_int("tp_size", self.tp_size, minimum=1)
-            if strategy == "tp" and self.tp_size != world:
-                raise LaunchSpecError("tp_size", f"'tp' splits over all {world} ranks; {self.tp_size} needs fsdp_tp")
-            if strategy not in ("tp", "fsdp_tp"):
-                raise LaunchSpecError("tp_size", f"only for the tensor-parallel strategies, not {strategy!r}")
-        if self.sequence_parallel and strategy not in ("tp", "fsdp_tp"):
+        check_tp_size(LaunchSpecError, self.tp_size, strategy, world)
+        if self.sequence_parallel and strategy not in TP_STRATEGIES:
             raise LaunchSpecError("sequence_parallel", f"only for the tensor-parallel strategies, not {strategy!r}")
-        if strategy == "fsdp_tp" and (world % (self.tp_size or 2) or world == (self.tp_size or 2)):
-            raise LaunchSpecError("tp_size", f"fsdp_tp needs the world size ({world}) a multiple of the tp size "
-                                             f"({self.tp_size or 2}) with at least two tp groups")
         if self.micro_batch_size is not None:
             _check_int("micro_batch_size", self.micro_batch_size, minimum=1)
         if self.global_batch_size is not None:
@@ -277,18 +270,41 @@ class LaunchSpec:
                                       f"data-parallel size = {self.micro_batch_size} x {self.data_parallel_size}")
 
 
+def check_tp_size(error: type[SpecError], tp_size, strategy: str | None, world: int) -> None:
+    """The tensor-parallel size against the strategy and the world size, one rule for every writer (torchrun
+    here, Slurm in sbatch.py): `tp` splits over all ranks; `fsdp_tp` needs at least two tp groups (default
+    size 2); no other strategy takes one."""
+    if tp_size is not None:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int):
+            raise error("tp_size", f"{show(tp_size)} is not an integer")
+        if tp_size < 1:
+            raise error("tp_size", f"{tp_size} is below 1")
+        if strategy == "tp" and tp_size != world:
+            raise error("tp_size", f"'tp' splits over all {world} ranks; {tp_size} needs fsdp_tp")
+        if strategy not in TP_STRATEGIES:
+            raise error("tp_size", f"only for the tensor-parallel strategies, not {strategy!r}")
+    if strategy == "fsdp_tp" and (world % (tp_size or 2) or world == (tp_size or 2)):
+        raise error("tp_size", f"fsdp_tp needs the world size ({world}) a multiple of the tp size "
+                               f"({tp_size or 2}) with at least two tp groups")
+
+
+def strategy_in_args(args: Sequence[str]) -> str | None:
+    """The last `--set strategy=X` of a distlab.train command line (as distlab.train reads it), or None."""
+    return setting_in_args(args, "strategy")
+
+
 def check_output_name(name) -> None:
     """A name written files are called after (`<name>.sh`, `<name>/`): one plain path component."""
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise LaunchSpecError("name", f"{show(name)}: use letters, digits, '_', '.', '-' (no folders)")
 
 
-def _strategy_in_args(args: Sequence[str]) -> str | None:
-    """The last `--set strategy=X` (as distlab.train reads it), or None."""
+def setting_in_args(args: Sequence[str], key: str) -> str | None:
+    """The last `--set <key>=X` of a distlab.train command line (as distlab.train reads it), or None."""
     found = None
     for prev, cur in zip(["", *args], args):
         text = cur[len("--set="):] if cur.startswith("--set=") else (cur if prev == "--set" else None)
-        if text is not None and text.split("=", 1)[0].strip() == "strategy" and "=" in text:
+        if text is not None and text.split("=", 1)[0].strip() == key and "=" in text:
             found = text.split("=", 1)[1].strip()
     return found
 
