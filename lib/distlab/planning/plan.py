@@ -65,6 +65,22 @@ UNQUANTISED_BYTES = FP32_BYTES
 QUANTISED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+# bitsandbytes' 8-bit AdamW (adamw8bit): "2 bytes per weight" holds for large tensors only. It keeps fp32 moments
+# (8 bytes) for tensors under BNB_MIN_8BIT_SIZE elements (LoRA's narrow factors on a small model), one fp32 absmax
+# per block of BNB_STATE_BLOCK values of each moment, and two 256-entry code tables that every tensor shares.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_STATE_BLOCK = 256
+BNB_CODE_BYTES = 2 * 256 * FP32_BYTES
+
+
+def adamw8bit_state_bytes(params: Sequence[ParamSpec]) -> float:
+    """Bytes of bitsandbytes' 8-bit AdamW state for these trained tensors (whole, on one rank)."""
+    small = sum(p.numel for p in params if p.numel < BNB_MIN_8BIT_SIZE) * MOMENT_BYTES["adamw"]
+    large = [p for p in params if p.numel >= BNB_MIN_8BIT_SIZE]
+    blocked = sum(2 * (p.numel + _chunk(p.numel, BNB_STATE_BLOCK) * FP32_BYTES) for p in large)
+    return small + blocked + (BNB_CODE_BYTES if large else 0)
+
+
 def is_quantised(p: ParamSpec) -> bool:
     """Whether bitsandbytes stores this frozen tensor quantised: the weight of a decoder projection (nn.Linear);
     not its bias, not the embedding, norms or the LM head (transformers keeps the output layer unquantised)."""
@@ -214,6 +230,7 @@ class PlanSetup:
     tp_size: int = 1  # fsdp_tp: ranks per tensor-parallel group
     quantization: str | None = None  # a bitsandbytes base ("nf4", "int8"): frozen bytes per tensor, not weight_bytes
     double_quant: bool = True
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         self.trained = [p for p in self.layout if p.trainable]
@@ -240,7 +257,8 @@ def plan_single(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Everything on one device: weights, gradients of the trained ones, their optimizer state."""
     n_trained = sum(p.numel for p in s.trained)
     w, a = s.split(s.frozen_bytes(), n_trained * s.trainable_bytes)
-    return MemoryBreakdown(w, a, n_trained * s.trainable_bytes, n_trained * s.moment_bytes, s.activations)
+    state = adamw8bit_state_bytes(s.trained) if s.optimizer == "adamw8bit" else n_trained * s.moment_bytes
+    return MemoryBreakdown(w, a, n_trained * s.trainable_bytes, state, s.activations)
 
 
 def plan_ddp(s: PlanSetup, rank: int) -> MemoryBreakdown:
@@ -429,9 +447,9 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     activation_bytes) directly (`resolve_precision` says how those are read). lora_r None: full
     fine-tuning. A quantised base ("int8", "4bit"/"nf4", or weight_bytes 1 / 0.5 without a dtype) is planned as
     bitsandbytes stores it (`quantised_tensor_bytes`: projections quantised with their constants, `double_quant`
-    as QLoRA's default, every other tensor in fp32). rank None: the rank that needs the most (ranks differ slightly where partitions cut
-    tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the pipelines' split
-    (distlab.layer_split.split_layers: balanced by default).
+    as QLoRA's default, every other tensor in fp32). rank None: the rank that needs the most (ranks differ
+    slightly where partitions cut tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the
+    pipelines' split (distlab.layer_split.split_layers: balanced by default).
 
     What each strategy holds, per rank, with N parameters, T of them trained:
       single, ddp   everything: weights, T gradients, AdamW's two moments per trained weight.
@@ -482,7 +500,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
         activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
         zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp, quantization=quantization,
-        double_quant=double_quant)
+        double_quant=double_quant, optimizer=optimizer)
     planner = PLANNERS[strategy]
     if strategy in REPLICATED:
         return planner(setup, 0)
