@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -306,8 +307,6 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(dtype)
     folder = random_preset_folder(model, seed) if model in RANDOM_PRESETS else resolve_model(model)
     if quantization is not None:
-        import logging
-
         # bitsandbytes' int8 matmul logs, on every call, that it casts fp32 inputs to fp16: known, and noise
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,

@@ -112,7 +112,8 @@ def throughput(steps: int = 12, rounds: int = 3, overrides: dict | None = None, 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.bench.memory_recipes", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab.bench.memory_recipes",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default=None, help="tiny (default), a model folder, or a random preset")
