@@ -3,9 +3,9 @@ each rung's bytes measured against the planner's and its tokens/s against bf16 L
 
     python -m distlab.bench.memory_recipes [--steps 12] [--rounds 3] [--model tiny|<folder>|<preset>]
 
-Memory: one real optimizer step per rung, built as distlab.train builds it (distlab.chapters.ch01
-.measure_training_memory: weights with bitsandbytes' constants, adapters, gradients, optimizer state, the
-activations autograd saved), next to distlab.planning.plan.plan_memory for the same settings.
+Memory: one real optimizer step per rung, built as distlab.train builds it (distlab.chapters.ch01.memory_ladder:
+weights with bitsandbytes' constants, adapters, gradients, optimizer state, the activations autograd saved), next
+to distlab.planning.plan.plan_memory for the same settings (chapter 01 shows the same table).
 Throughput: each round runs every rung back to back in one process (distlab.launch.local.launch_sweep, one
 thread), the order rotated from round to round so that a slow minute of a shared machine hits every rung
 alike; a rung's speed is its tokens/s over bf16 LoRA's in the same round (steady state after
@@ -28,55 +28,17 @@ from pathlib import Path
 import pandas as pd
 
 from distlab import markdown
+from distlab.chapters.ch01 import LADDER, memory_ladder
 from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.launch.local import launch_sweep
 from distlab.metrics import read_log
-from distlab.planning import memory
 from distlab.results import scaling_table, schema
-from distlab.results.schema import STATE_COMPONENTS
 
 # Each rung adds one change to the previous one (all LoRA, bf16 storage: no autocast on a CPU).
-RUNGS = {
-    "bf16 LoRA": {},
-    "nf4 base": {"quantization": "nf4"},
-    "+ 8-bit AdamW": {"quantization": "nf4", "optimizer": "adamw_8bit"},
-    "+ checkpointing": {"quantization": "nf4", "optimizer": "adamw_8bit", "activation_checkpointing": True},
-}
+RUNGS = {"bf16 LoRA": {}, **LADDER}
 SETUP = {"dtype": "bf16", "device": "cpu", "micro_batch_size": 4, "seq_len": 256, "lora_dropout": 0.0,
          "logging_steps": 1, "eval_at_start": False, "eval_at_end": False, "save_model": False, "num_threads": 1}
-PLANNER_OPTIMIZER = {"adamw": "adamw", "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
-MIB = 2**20
-
-
-def planned(cfg: TrainConfig, model_config, loss_token_fraction: float):
-    """plan_memory's single-device breakdown for a run of `cfg` (as its measured twin was built)."""
-    quantised = cfg.quantization != "none"
-    # A quantised base after prepare_model_for_kbit_training has an fp32 embedding, so the residual stream and
-    # everything computed from it is fp32 (each 4-bit layer casts its output back to its input's dtype)
-    return memory.plan_memory(
-        model_config, dtype=cfg.quantization if quantised else cfg.dtype, lora_r=cfg.lora_r,
-        lora_targets=cfg.lora_targets, micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
-        activation_checkpointing=cfg.activation_checkpointing, optimizer=PLANNER_OPTIMIZER[cfg.optimizer],
-        activation_bytes=4 if quantised else None, lora_dropout=cfg.lora_dropout,
-        loss_token_fraction=loss_token_fraction, double_quant=cfg.double_quant)
-
-
-def memory_table(base: TrainConfig, rungs=RUNGS) -> pd.DataFrame:
-    """One row per rung and component: measured and planned MiB and measured / planned."""
-    from distlab.chapters.ch01 import measure_training_memory  # deferred: it builds models (torch, transformers)
-
-    rows = []
-    for rung, changes in rungs.items():
-        cfg = base.replace(**changes)
-        m = measure_training_memory(cfg)
-        plan = planned(cfg, m.model_config, m.estimate_args["loss_token_fraction"])
-        for part in (*STATE_COMPONENTS, "total"):
-            got, want = m.measured.as_dict().get(part, 0.0), plan.as_dict().get(part, 0.0)
-            if got or want:
-                rows.append({"rung": rung, "component": part, "measured_mib": got / MIB, "planned_mib": want / MIB,
-                             "measured / planned": got / want if want else float("nan")})
-    return pd.DataFrame(rows)
 
 
 def throughput(steps: int = 12, rounds: int = 3, overrides: dict | None = None, rungs=RUNGS,
@@ -120,7 +82,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     model = None if args.model in (None, "tiny") else args.model
     base = TrainConfig(**{**SETUP, "model": model})
-    mem = memory_table(base)
+    mem = memory_ladder(base, first_name="bf16 LoRA")
     print(f"memory of one optimizer step, measured vs planned (MiB), {model or 'distlab-tiny'}, micro-batch "
           f"{base.micro_batch_size} x {base.seq_len} tokens")
     print(markdown.table(mem.round(3)))
