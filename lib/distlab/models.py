@@ -376,8 +376,9 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(total, trainable) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
+    """(total, trainable) parameter counts; a 4-bit weight counts its weights, not the bytes they are packed in."""
+    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None else p.numel()
+                for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
 
