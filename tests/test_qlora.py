@@ -74,6 +74,10 @@ def test_the_lan_guides_configuration_is_planned_and_recommended(capsys):
     out = capsys.readouterr().out
     assert "RTX 4070: 6.5 GiB usable" in out and "does NOT fit" not in out  # the 4-bit replica fits the 8 GB cards
     assert "recommended: ddp with 4-bit weights" in out
+    from distlab.cli import UsageError
+
+    with pytest.raises(UsageError, match="--devices 'RTX 4070:eight': expected NAME:GB"):
+        plan.main(["--config", str(LAN_CONFIG), "--devices", "RTX 4070:eight"])
 
 
 @pytest.mark.slow
