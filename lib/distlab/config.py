@@ -54,6 +54,16 @@ class TrainConfig:
     lora_dropout: float = 0.05
     fast_dropout: bool = True  # LoRA dropout from 16-bit coins, 4 per random draw (distlab.dropout)
     lora_targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # quantised fine-tuning (QLoRA): the frozen base's decoder projections stored by bitsandbytes, loaded through
+    # transformers' BitsAndBytesConfig and PEFT's prepare_model_for_kbit_training; LoRA only (a 4/8-bit weight
+    # has no gradient). Embeddings, norms, biases and the LM head stay in the run's dtype.
+    quantization: str = "none"  # none | nf4 (4-bit NormalFloat, blocks of 64 weights) | int8 (LLM.int8())
+    double_quant: bool = True  # nf4: quantise the per-block scales too (8-bit, QLoRA's double quantisation)
+    quant_compute_dtype: str = "auto"  # what nf4 layers dequantise to for their matmuls; auto: the run's dtype
+    # adamw: torch's; adamw_8bit: bitsandbytes' blockwise 8-bit moments (tensors under 4096 elements keep fp32
+    # ones); paged_adamw_8bit: the same, its state in CUDA unified memory that pages to the host under pressure.
+    # On a CPU there is nothing to page to: it runs as adamw_8bit (bitsandbytes allocates ordinary host memory).
+    optimizer: str = "adamw"
     # batch: global_batch_size (rows per optimizer step, all ranks together) wins over grad_accum
     micro_batch_size: int = 4
     grad_accum: int = 1
@@ -125,6 +135,7 @@ class TrainConfig:
         if self.sequence_parallel and self.strategy not in TP_STRATEGIES:
             raise ConfigError(f"TrainConfig: sequence_parallel=true needs strategy tp or fsdp_tp, "
                               f"not {self.strategy!r}")
+        _check_quantised(self)
         if self.ddp_comm_hook and self.strategy != "ddp":  # other strategies would ignore it without a word
             raise ConfigError(f"TrainConfig: ddp_comm_hook={self.ddp_comm_hook!r} needs strategy=ddp "
                               f"(strategy={self.strategy!r} does not all-reduce gradients through DDP)")
@@ -156,6 +167,29 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# A replica per rank: sharding a bitsandbytes base (FSDP + QLoRA) or its 8-bit optimizer state is not built yet.
+QUANTISED_STRATEGIES = ("single", "ddp")
+
+
+def _check_quantised(cfg: TrainConfig) -> None:
+    """The quantisation and optimizer fields against the rest: one line naming the field at fault."""
+    q = cfg.quantization
+    if q != "none" and not cfg.lora:
+        raise ConfigError(f"TrainConfig: quantization={q!r} needs lora=true: a {q} base weight has no gradient, "
+                          "so only LoRA adapters over it can be trained (or set quantization=none)")
+    if q != "none" and cfg.strategy not in QUANTISED_STRATEGIES:
+        raise ConfigError(f"TrainConfig: quantization={q!r} runs with strategy "
+                          f"{' or '.join(QUANTISED_STRATEGIES)} (one replica per rank), not {cfg.strategy!r}")
+    if cfg.quant_compute_dtype != "auto" and q != "nf4":
+        raise ConfigError(f"TrainConfig: quant_compute_dtype={cfg.quant_compute_dtype!r} applies to "
+                          f"quantization=nf4 only (quantization={q!r}); leave it auto")
+    if cfg.optimizer != "adamw" and cfg.fused_optimizer:
+        raise ConfigError(f"TrainConfig: fused_optimizer=true is torch AdamW's fused kernel; "
+                          f"optimizer={cfg.optimizer!r} is bitsandbytes' (set one of them)")
+    if cfg.optimizer != "adamw" and cfg.strategy not in QUANTISED_STRATEGIES:
+        raise ConfigError(f"TrainConfig: optimizer={cfg.optimizer!r} runs with strategy "
+                          f"{' or '.join(QUANTISED_STRATEGIES)}, not {cfg.strategy!r} (which shards or splits the "
+                          "optimizer state its own way); use adamw")
 
 
 class ConfigError(ValueError):
@@ -281,6 +315,8 @@ RULES = {
     "seq_len": _at_least(1), "overlong": _one_of("truncate", "reject", "error"),
     "lora_r": _at_least(1), "lora_alpha": _positive(), "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "lora_targets": (lambda v: len(v) > 0, "a non-empty list of module names"),
+    "quantization": _one_of("none", "nf4", "int8"), "quant_compute_dtype": _one_of("auto", "fp32", "bf16", "fp16"),
+    "optimizer": _one_of("adamw", "adamw_8bit", "paged_adamw_8bit"),
     "micro_batch_size": _at_least(1), "grad_accum": _at_least(1), "global_batch_size": _at_least(1),
     "max_steps": _at_least(1), "lr": _positive(), "weight_decay": _at_least(0), "warmup_steps": _at_least(0),
     "max_grad_norm": _positive(), "seed": _at_least(0),

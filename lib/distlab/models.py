@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -272,19 +273,74 @@ def load_tokenizer(model: str | Path | None = None):
     return tok
 
 
+QUANT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def quantization_config(quantization: str, double_quant: bool = True, compute_dtype: torch.dtype = torch.float32):
+    """transformers' BitsAndBytesConfig for a quantised base ("nf4", "int8"), as QLoRA users write it;
+    None for "none". Only nn.Linear layers are quantised (the decoder projections; the tied LM head is
+    the embedding's weight, an untied one transformers leaves unquantised too)."""
+    if quantization == "none":
+        return None
+    from transformers import BitsAndBytesConfig  # deferred: transformers is slow to import
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if quantization != "nf4":
+        raise ValueError(f"quantization {quantization!r}: one of none, nf4, int8")
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               attn_implementation: str = "sdpa", seed: int = 0):
-    """from_pretrained for names and folders; seeded random init for the RANDOM_PRESETS shapes."""
+               attn_implementation: str = "sdpa", seed: int = 0, quantization=None):
+    """from_pretrained for names and folders; seeded random init for the RANDOM_PRESETS shapes.
+    `quantization`: a BitsAndBytesConfig (`quantization_config`). bitsandbytes quantises while
+    from_pretrained loads, so a random preset is first written to a folder once (`random_preset_folder`)."""
     from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
     _quiet_hf()
     attn_implementation = resolve(attn_implementation)
-    if model in RANDOM_PRESETS:
+    if model in RANDOM_PRESETS and quantization is None:
         config = qwen2_config(load_tokenizer(None), **RANDOM_PRESETS[model])
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(dtype)
-    return AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype,
-                                                attn_implementation=attn_implementation)
+    folder = random_preset_folder(model, seed) if model in RANDOM_PRESETS else resolve_model(model)
+    if quantization is not None:
+        # bitsandbytes' int8 matmul logs, on every call, that it casts fp32 inputs to fp16: known, and noise
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                  **({"quantization_config": quantization} if quantization else {}))
+    for module in loaded.modules():
+        # bitsandbytes 0.50's CPU inference path (a no-grad forward on an AVX512-BF16 CPU) repacks a 4-bit weight
+        # in place on first use, and asserts out_features % 32 == 0: the tiny model's 688-wide FFN fails it, and
+        # an evaluation between training steps would change the layout (and the bytes) the training step reads.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return loaded
+
+
+def random_preset_folder(name: str, seed: int = 0) -> str:
+    """A RANDOM_PRESETS shape with seeded random weights, saved once under build/models (what a quantised
+    load reads: bitsandbytes quantises in from_pretrained). Nothing is downloaded."""
+    folder = MODEL_CACHE / f"random-{name}-seed{seed}"
+    spec = {"preset": RANDOM_PRESETS[name], "seed": seed, "recipe": 1}
+    with _file_lock(folder.with_name(folder.name + ".lock")):
+        stamp = folder / "distlab_build.json"
+        if stamp.exists() and json.loads(stamp.read_text()) == spec:
+            return str(folder)
+        from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
+
+        tokenizer = load_tokenizer(None)
+        torch.manual_seed(seed)
+        # stored in bf16 (half the disk of fp32; a 0.5B preset is 1 GB): a quantised load reads it in any dtype
+        model = AutoModelForCausalLM.from_config(qwen2_config(tokenizer, **RANDOM_PRESETS[name])).to(torch.bfloat16)
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "distlab_build.json").write_text(json.dumps(spec))
+        return _replace(tmp, folder)
 
 
 def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
@@ -320,8 +376,9 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(total, trainable) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
+    """(total, trainable) parameter counts; a 4-bit weight counts its weights, not the bytes they are packed in."""
+    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None else p.numel()
+                for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
 

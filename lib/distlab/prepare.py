@@ -15,7 +15,7 @@ from distlab.config import TrainConfig
 from distlab.data import build_sft_data
 from distlab.device import choose_device
 from distlab.dropout import replace_lora_dropout
-from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+from distlab.models import QUANT_DTYPES, CausalLMWithLoss, load_model, load_tokenizer, quantization_config
 
 
 def seed_everything(seed: int) -> None:
@@ -45,8 +45,18 @@ def prepare_run(cfg: TrainConfig, strategy):
     eval_data = (build_sft_data(cfg.eval_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
                  if cfg.eval_file else None)
     seed_everything(cfg.seed)  # the same initial LoRA weights on every rank and every world size
-    model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation)
-    if cfg.activation_checkpointing:
+    compute = choice.dtype if cfg.quant_compute_dtype == "auto" else QUANT_DTYPES[cfg.quant_compute_dtype]
+    quantization = quantization_config(cfg.quantization, cfg.double_quant, compute)
+    model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation,
+                       quantization=quantization)
+    if quantization is not None:
+        # what QLoRA users run: freeze the base, cast its unquantised layers (embeddings, norms, biases) to fp32,
+        # and switch on activation checkpointing the way k-bit layers need it
+        from peft import prepare_model_for_kbit_training  # deferred: peft imports half of transformers
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.activation_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if cfg.lora:

@@ -5,6 +5,8 @@ never absolute targets. Each is `python -m distlab.bench.<name>` with `--help`.
                       and the recipe ablation (--out: the tables of book/appendix_benchmarks.md)
   mfu_ladder          full fine-tuning tokens/s and MFU on one GPU, one optimisation added per rung      GPU
   ddp_scaling         2-rank DDP efficiency against 1 rank                                              ch. 02
+  memory_recipes      the QLoRA ladder (bf16 LoRA, nf4 base, 8-bit AdamW, checkpointing): bytes measured   ch. 01
+                      vs planned per component, tokens/s against bf16 LoRA
   tensor_parallel     2-rank tensor parallelism (tp) against one device, full fine-tuning               ch. 07
   pipeline_bubble     the measured pipeline bubble vs its formula, 1F1B and interleaved 1F1B              ch. 04
   pipeline_study      the pipeline-vs-FSDP study's effective-token sweep toward ~100k tokens per step     ch. 04

@@ -26,7 +26,7 @@ from distlab.measure.state import measure_activation_memory, measure_state
 from distlab.metrics import read_log
 from distlab.planning import memory
 from distlab.prepare import prepare_run
-from distlab.results.schema import MemoryBreakdown
+from distlab.results.schema import STATE_COMPONENTS, MemoryBreakdown
 from distlab.strategies import make_strategy
 from distlab.train import train
 
@@ -74,6 +74,46 @@ def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
         activation_checkpointing=cfg.activation_checkpointing, lora_dropout=cfg.lora_dropout,
         loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel())
     return TrainingMemory(measured, model.causal_lm.config, estimate_args)
+
+
+# The QLoRA ladder (the LAN cluster guide's recipe, one change per rung), as chapter 01 and
+# `python -m distlab.bench.memory_recipes` run it: each rung adds its change to the previous one.
+LADDER = {
+    "nf4 base": {"quantization": "nf4"},
+    "+ 8-bit AdamW": {"quantization": "nf4", "optimizer": "adamw_8bit"},
+    "+ checkpointing": {"quantization": "nf4", "optimizer": "adamw_8bit", "activation_checkpointing": True},
+}
+PLANNER_OPTIMIZER = {"adamw": "adamw", "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
+
+
+def ladder_plan(cfg: TrainConfig, run: TrainingMemory) -> MemoryBreakdown:
+    """The planner's single-device breakdown for a measured run of `cfg` (a rung of the ladder)."""
+    if cfg.quantization == "none":
+        return memory.estimate_training_memory(run.model_config, **run.estimate_args,
+                                               optimizer=PLANNER_OPTIMIZER[cfg.optimizer])
+    # After prepare_model_for_kbit_training the embedding is fp32, so the residual stream and all computed from it
+    # is fp32 (each 4-bit layer casts its output back to its input's dtype): 4 bytes per activation value
+    args = {**run.estimate_args, "dtype": cfg.quantization, "activation_bytes": 4, "double_quant": cfg.double_quant,
+            "optimizer": PLANNER_OPTIMIZER[cfg.optimizer]}
+    return memory.plan_memory(run.model_config, **args)
+
+
+def memory_ladder(cfg: TrainConfig, rungs=LADDER, first: TrainingMemory | None = None,
+                  first_name: str = "LoRA") -> pd.DataFrame:
+    """One row per rung (`cfg` itself first, then each of `rungs` applied to it) and component: the bytes one
+    real optimizer step held (measure_training_memory) and the planner's, in MiB, and measured / planned.
+    `first`: an already measured step of `cfg`, reused."""
+    rows = []
+    for rung, changes in {first_name: {}, **rungs}.items():
+        run_cfg = cfg.replace(**changes)
+        run = first if (first is not None and not changes) else measure_training_memory(run_cfg)
+        plan = ladder_plan(run_cfg, run)
+        for part in (*STATE_COMPONENTS, "total"):
+            got, want = run.measured.as_dict().get(part, 0.0), plan.as_dict().get(part, 0.0)
+            if got or want:
+                rows.append({"rung": rung, "component": part, "measured_mib": got / 2**20,
+                             "planned_mib": want / 2**20, "measured / planned": got / want if want else float("nan")})
+    return pd.DataFrame(rows)
 
 
 # --------------------------------------------------------------------------- the idea, drawn

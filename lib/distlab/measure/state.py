@@ -57,6 +57,31 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
+def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The constants bitsandbytes keeps beside each quantised weight, outside the module's parameters: a 4-bit
+    weight's per-block absmax and NF4 code table (double-quantised: the 8-bit scales' own fp32 absmax, offset
+    and code table too), an int8 weight's per-row fp32 scales (SCB). Empty for a model that is not quantised."""
+    out = []
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:  # a double-quantised state holds its scales' own state (state2)
+            out += [v for v in vars(state).values() if torch.is_tensor(v)]
+            state = getattr(state, "state2", None)
+        if torch.is_tensor(getattr(p, "SCB", None)):
+            out.append(p.SCB)
+    return out
+
+
+def base_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the frozen base: {"quantised": the quantised layers' stored values + constants, "unquantised": the
+    tensors left in floating point (embeddings, norms, biases, LM head)}. All under "unquantised" if none is."""
+    frozen = [p for p in dict.fromkeys(model.parameters()) if not p.requires_grad]
+    packed = [p for p in frozen if hasattr(p, "quant_state") or hasattr(p, "SCB")]
+    seen: set = set()
+    quantised = owned_bytes(packed + quant_state_tensors(model), seen)
+    return {"quantised": quantised, "unquantised": owned_bytes(frozen, seen)}
+
+
 def _frozen_and_trained(params: Iterable[torch.Tensor]) -> tuple[list, list, list]:
     """(every parameter once, frozen ones, trained ones), in model order."""
     params = list(dict.fromkeys(params))
@@ -83,7 +108,7 @@ def measure_state(model: torch.nn.Module, optimizer=None) -> MemoryBreakdown:
     seen: set = set()
     lora = bool(frozen)
     return MemoryBreakdown(
-        weights=owned_bytes(frozen if lora else params, seen),
+        weights=owned_bytes((frozen if lora else params) + quant_state_tensors(model), seen),
         adapter_weights=owned_bytes(trained, seen) if lora else 0,
         gradients=owned_bytes((p.grad for p in trained), seen),
         optimizer_state=owned_bytes(optimizer_state_tensors(optimizer) if optimizer is not None else [], seen))

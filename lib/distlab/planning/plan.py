@@ -46,6 +46,61 @@ DTYPE_BYTES = {"fp32": (4, 4), "bf16-autocast": (4, 2), "fp16-autocast": (4, 2),
 # The dtypes distlab.train accepts (besides "auto"), planned exactly as the trainer lays them out (`precision`).
 TRAINER_DTYPES = ("fp32", "bf16-autocast", "bf16", "fp16-autocast")
 
+# A quantised base as bitsandbytes stores it (transformers' BitsAndBytesConfig, then PEFT's
+# prepare_model_for_kbit_training), measured against this formula in tests/test_qlora.py. Flat 0.5 or 1 byte per
+# weight is what "4-bit" and "8-bit" suggest; what a rank holds differs in two ways that matter:
+#  - only the decoder's linear layers are quantised. The embedding (on a small model most of the weights: the
+#    tiny model's 3135 x 256 table is 40% of them), norms, biases and the LM head stay, and
+#    prepare_model_for_kbit_training casts them to fp32 (UNQUANTISED_BYTES), whatever the load dtype;
+#  - every quantised tensor carries constants: NF4 one fp32 absmax per block of 64 weights (+0.0625 byte per
+#    weight, 12% of the 4-bit payload), or, double-quantised (QLoRA), one 8-bit scale per block plus one fp32
+#    absmax per 256 blocks, an fp32 offset and a 256-entry fp32 code table; a 16-entry NF4 code table either way.
+#    LLM.int8() keeps one fp32 scale per output row (SCB).
+QUANT_DTYPES = {"int8": "int8", "4bit": "nf4", "nf4": "nf4"}  # planning dtype -> the bitsandbytes format planned
+QUANT_BLOCK = 64  # weights per 4-bit block (bitsandbytes' blocksize for 4-bit, as transformers loads it)
+NESTED_BLOCK = 256  # block scales per second-level block (double quantisation)
+NF4_CODE_BYTES = 16 * FP32_BYTES  # the 16 NF4 levels, one table per tensor
+NESTED_CODE_BYTES = 256 * FP32_BYTES  # the 8-bit dynamic code of the double-quantised scales, one per tensor
+UNQUANTISED_BYTES = FP32_BYTES
+QUANTISED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# bitsandbytes' 8-bit AdamW (adamw8bit): "2 bytes per weight" holds for large tensors only. It keeps fp32 moments
+# (8 bytes) for tensors under BNB_MIN_8BIT_SIZE elements (LoRA's narrow factors on a small model), one fp32 absmax
+# per block of BNB_STATE_BLOCK values of each moment, and two 256-entry code tables that every tensor shares.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_STATE_BLOCK = 256
+BNB_CODE_BYTES = 2 * 256 * FP32_BYTES
+
+
+def adamw8bit_state_bytes(params: Sequence[ParamSpec]) -> float:
+    """Bytes of bitsandbytes' 8-bit AdamW state for these trained tensors (whole, on one rank)."""
+    small = sum(p.numel for p in params if p.numel < BNB_MIN_8BIT_SIZE) * MOMENT_BYTES["adamw"]
+    large = [p for p in params if p.numel >= BNB_MIN_8BIT_SIZE]
+    blocked = sum(2 * (p.numel + _chunk(p.numel, BNB_STATE_BLOCK) * FP32_BYTES) for p in large)
+    return small + blocked + (BNB_CODE_BYTES if large else 0)
+
+
+def is_quantised(p: ParamSpec) -> bool:
+    """Whether bitsandbytes stores this frozen tensor quantised: the weight of a decoder projection (nn.Linear);
+    not its bias, not the embedding, norms or the LM head (transformers keeps the output layer unquantised)."""
+    return p.name.endswith(".weight") and p.name.split(".")[-2] in QUANTISED_PROJECTIONS and not p.trainable
+
+
+def quantised_tensor_bytes(p: ParamSpec, quantization: str, double_quant: bool = True) -> float:
+    """Bytes bitsandbytes holds for one frozen tensor of a `quantization` ("nf4", "int8") base, constants
+    included; UNQUANTISED_BYTES per value for the tensors it leaves alone (`is_quantised`)."""
+    if not is_quantised(p):
+        return p.numel * UNQUANTISED_BYTES
+    if quantization == "int8":
+        return p.numel + p.shape[0] * FP32_BYTES  # int8 values + one fp32 scale per output row
+    blocks = _chunk(p.numel, QUANT_BLOCK)
+    if double_quant:
+        scales = blocks + _chunk(blocks, NESTED_BLOCK) * FP32_BYTES + FP32_BYTES + NESTED_CODE_BYTES
+    else:
+        scales = blocks * FP32_BYTES
+    return _chunk(p.numel, 2) + scales + NF4_CODE_BYTES
+
 
 def moment_bytes(optimizer: str, value_bytes: float = FP32_BYTES) -> float:
     """Optimizer state bytes per trained weight (the one place the planner knows them). torch's AdamW
@@ -173,11 +228,23 @@ class PlanSetup:
     grad_accum: int
     zero3_persistence_threshold: int
     tp_size: int = 1  # fsdp_tp: ranks per tensor-parallel group
+    quantization: str | None = None  # a bitsandbytes base ("nf4", "int8"): frozen bytes per tensor, not weight_bytes
+    double_quant: bool = True
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         self.trained = [p for p in self.layout if p.trainable]
         self.frozen = [p for p in self.layout if not p.trainable]
         self.lora = bool(self.frozen)  # with LoRA the whole base model is frozen
+
+    def frozen_bytes(self, held=lambda p: p.numel) -> float:
+        """Bytes of the frozen tensors a rank holds, `held(p)` elements of each (its shard or slice; all of it by
+        default): weight_bytes per element, or a quantised base's bytes per tensor, constants included, in
+        proportion (`quantised_tensor_bytes`)."""
+        if not self.quantization:
+            return sum(held(p) for p in self.frozen) * self.weight_bytes
+        return sum(quantised_tensor_bytes(p, self.quantization, self.double_quant) * held(p) / p.numel
+                   for p in self.frozen)
 
     def split(self, frozen_bytes: float, trained_bytes: float) -> tuple[float, float]:
         """(weights, adapter_weights): LoRA adapters are reported apart from the base weights."""
@@ -189,8 +256,9 @@ class PlanSetup:
 def plan_single(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Everything on one device: weights, gradients of the trained ones, their optimizer state."""
     n_trained = sum(p.numel for p in s.trained)
-    w, a = s.split(sum(p.numel for p in s.frozen) * s.weight_bytes, n_trained * s.trainable_bytes)
-    return MemoryBreakdown(w, a, n_trained * s.trainable_bytes, n_trained * s.moment_bytes, s.activations)
+    w, a = s.split(s.frozen_bytes(), n_trained * s.trainable_bytes)
+    state = adamw8bit_state_bytes(s.trained) if s.optimizer == "adamw8bit" else n_trained * s.moment_bytes
+    return MemoryBreakdown(w, a, n_trained * s.trainable_bytes, state, s.activations)
 
 
 def plan_ddp(s: PlanSetup, rank: int) -> MemoryBreakdown:
@@ -206,7 +274,7 @@ def plan_fsdp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Every tensor cut in `world` dim-0 shards; the root and the layers being gathered as buffers."""
     world = s.world_size
     shard_t = sum(_fsdp_shard(p, world) for p in s.trained)
-    w, a = s.split(sum(_fsdp_shard(p, world) for p in s.frozen) * s.weight_bytes, shard_t * s.trainable_bytes)
+    w, a = s.split(s.frozen_bytes(lambda p: _fsdp_shard(p, world)), shard_t * s.trainable_bytes)
     b = MemoryBreakdown(w, a, shard_t * s.trainable_bytes, shard_t * s.moment_bytes, s.activations)
     layer = [p for p in s.layout if layer_index(p) == 0]
     root = [p for p in s.layout if layer_index(p) is None]
@@ -223,7 +291,7 @@ def plan_zero2(s: PlanSetup, rank: int) -> MemoryBreakdown:
     master copy and moments of its own, and the gradients of the tensors that touch it (whole)."""
     tb, accum = s.trainable_bytes, s.zero_grad_bytes
     flat, part, touching = _zero2_partitions(optimizer_groups(s.layout), s.world_size, rank)
-    w, a = s.split(sum(p.numel for p in s.frozen) * s.weight_bytes, flat * tb)
+    w, a = s.split(s.frozen_bytes(), flat * tb)
     # DeepSpeed 0.19.8 (stage_1_and_2.py): when the trained weights are in its accumulation dtype it copies
     # each reduced gradient, whole, into `grads_in_partition` (every tensor touching this rank's partition);
     # 16-bit weights with fp32 accumulation use a compact fp32 buffer of the partition alone instead.
@@ -244,9 +312,11 @@ def plan_zero3(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Every tensor partitioned (weights, fp32 gradients, fp32 master copy, moments); tensors under
     the persistence threshold are also kept whole on every rank."""
     world, threshold = s.world_size, s.zero3_persistence_threshold
-    held_f = sum(_chunk(p.numel, world) + (p.numel if p.numel <= threshold else 0) for p in s.frozen)
-    held_t = sum(_chunk(p.numel, world) + (p.numel if p.numel <= threshold else 0) for p in s.trained)
-    w, a = s.split(held_f * s.weight_bytes, held_t * s.trainable_bytes)
+    def held(p):
+        return _chunk(p.numel, world) + (p.numel if p.numel <= threshold else 0)
+
+    held_t = sum(held(p) for p in s.trained)
+    w, a = s.split(s.frozen_bytes(held), held_t * s.trainable_bytes)
     part_t = sum(_chunk(p.numel, world) for p in s.trained)
     # DeepSpeed means to update an fp32 model's partition in place, but 0.19.8 compares a
     # torch.device with a string there (never equal), so it always keeps an fp32 master copy.
@@ -281,8 +351,9 @@ def plan_pipeline(s: PlanSetup, rank: int) -> MemoryBreakdown:
         return last  # final norm, untied LM head
 
     mine = [p for p in s.layout if in_stage(p)]
+    names = {p.name for p in mine}
     t = sum(p.numel for p in mine if p.trainable)
-    w, a = s.split(sum(p.numel for p in mine if not p.trainable) * s.weight_bytes, t * s.trainable_bytes)
+    w, a = s.split(s.frozen_bytes(lambda p: p.numel if p.name in names else 0), t * s.trainable_bytes)
     in_flight = min(stages - stage, max(s.grad_accum, 1))
     micro_batch, seq_len, ckpt, lora_r, targets, lora_dropout, _ = s.activation_args
     layer_acts = activation_bytes_estimate(s.config, micro_batch, seq_len, s.activation_bytes, ckpt, lora_r, targets,
@@ -323,7 +394,7 @@ def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
         return _chunk(p.numel, s.world_size) if tp_sliced(p.name) else p.numel
 
     held_t = sum(held(p) for p in s.trained)
-    w, a = s.split(sum(held(p) for p in s.frozen) * s.weight_bytes, held_t * s.trainable_bytes)
+    w, a = s.split(s.frozen_bytes(held), held_t * s.trainable_bytes)
     b = MemoryBreakdown(w, a, held_t * s.trainable_bytes, held_t * s.moment_bytes, s.activations)
     b.notes.append("each layer's q/k/v/o and gate/up/down sliced over the ranks; the rest replicated")
     return b
@@ -343,7 +414,7 @@ def plan_fsdp_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
         return _chunk(p.numel, tp) if tp_sliced(p.name) else p.numel
 
     held_t = sum(held(p) for p in s.trained)
-    w, a = s.split(sum(held(p) for p in s.frozen) * s.weight_bytes, held_t * s.trainable_bytes)
+    w, a = s.split(s.frozen_bytes(held), held_t * s.trainable_bytes)
     b = MemoryBreakdown(w, a, held_t * s.trainable_bytes, held_t * s.moment_bytes, s.activations)
     layer = [p for p in s.layout if layer_index(p) == 0]
     root = [p for p in s.layout if layer_index(p) is None]
@@ -365,7 +436,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                 activation_bytes: float | None = None, lora_dropout: float = 0.0, loss_token_fraction: float = 1.0,
                 pipeline_stages: int | None = None, stage_layers: Sequence[int] | None = None, grad_accum: int = 1,
                 offload_optimizer: bool = False, zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
-                rank: int | None = None, tp_size: int | None = None) -> MemoryBreakdown:
+                rank: int | None = None, tp_size: int | None = None, double_quant: bool = True) -> MemoryBreakdown:
     """Predicted bytes one rank holds while training `config` with `strategy` on `world_size` ranks.
 
     config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: one the trainer
@@ -374,9 +445,11 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     PEFT's fp32 adapters, DeepSpeed's bf16 mode for bf16-autocast under ZeRO), or a planning shape
     "int8", "4bit", "nf4", "fp16" (frozen base weights quantised: LoRA only); or give weight_bytes (and
     activation_bytes) directly (`resolve_precision` says how those are read). lora_r None: full
-    fine-tuning. rank None: the rank that needs the most (ranks differ slightly where partitions cut
-    tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the pipelines' split
-    (distlab.layer_split.split_layers: balanced by default).
+    fine-tuning. A quantised base ("int8", "4bit"/"nf4", or weight_bytes 1 / 0.5 without a dtype) is planned as
+    bitsandbytes stores it (`quantised_tensor_bytes`: projections quantised with their constants, `double_quant`
+    as QLoRA's default, every other tensor in fp32). rank None: the rank that needs the most (ranks differ
+    slightly where partitions cut tensors unevenly); an int: that rank. pipeline_stages / stage_layers: the
+    pipelines' split (distlab.layer_split.split_layers: balanced by default).
 
     What each strategy holds, per rank, with N parameters, T of them trained:
       single, ddp   everything: weights, T gradients, AdamW's two moments per trained weight.
@@ -412,6 +485,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     wb, tb, act_b = prec.weight_bytes, prec.trainable_bytes, prec.activation_bytes
     if wb < 2 and not lora_r:
         raise ValueError("quantised base weights (weight_bytes < 2) can only be trained through LoRA adapters")
+    # a quantised base (a planning dtype, or 1 / 0.5 bytes per weight as the recommender asks): bitsandbytes' layout
+    quantization = QUANT_DTYPES.get(dtype) or ({1: "int8", 0.5: "nf4"}.get(wb) if dtype is None else None)
     targets = list(lora_targets or LORA_TARGETS)
     activation_args = (micro_batch, seq_len, activation_checkpointing, lora_r, targets, lora_dropout,
                        loss_token_fraction)
@@ -424,7 +499,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                                               tp=tp if strategy in ("tp", "fsdp_tp") else 1),
         activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
-        zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp)
+        zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp, quantization=quantization,
+        double_quant=double_quant, optimizer=optimizer)
     planner = PLANNERS[strategy]
     if strategy in REPLICATED:
         return planner(setup, 0)

@@ -27,6 +27,9 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  model_type="qwen3")
 SEED_MODELS = {"Llama-2-7B": LLAMA2_7B, "Qwen2.5-7B-Instruct": QWEN25_7B, "Qwen2.5-3B-Instruct": QWEN25_3B,
                "Qwen3-0.6B": QWEN3_06B}
+# Their hub ids, so a config naming one is planned offline (distlab.commands.plan).
+SEED_MODEL_IDS = {"meta-llama/Llama-2-7b-hf": LLAMA2_7B, "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+                  "Qwen/Qwen2.5-3B-Instruct": QWEN25_3B, "Qwen/Qwen3-0.6B": QWEN3_06B}
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -91,7 +91,9 @@ class Strategy:
         if getattr(cfg, "compile", False):
             compile_layers(model)
         model = self.wrap_model(model, choice)
-        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay, fused=getattr(cfg, "fused_optimizer", False))
+        kind = getattr(cfg, "optimizer", "adamw")
+        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay, fused=getattr(cfg, "fused_optimizer", False),
+                                        **({"kind": kind} if kind != "adamw" else {}))
         return model, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
@@ -101,16 +103,23 @@ class Strategy:
         return model
 
     def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float,
-                       fused: bool = False) -> torch.optim.Optimizer:
+                       fused: bool = False, kind: str = "adamw") -> torch.optim.Optimizer:
         """AdamW over trainable weights; no decay on vectors (norms, biases), as is standard.
 
-        `fused`: one kernel updates every tensor (CUDA); the default launches a few per tensor group."""
+        `fused`: one kernel updates every tensor (CUDA); the default launches a few per tensor group.
+        `kind`: "adamw" (torch), "adamw_8bit" or "paged_adamw_8bit" (bitsandbytes: blockwise 8-bit moments;
+        paged state lives in CUDA unified memory, and on a CPU is ordinary host memory)."""
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                                 **({"fused": True} if fused else {}))
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if kind != "adamw":
+            import bitsandbytes as bnb  # deferred: only the 8-bit optimizers need it
+
+            cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit}[kind]
+            return cls(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, **({"fused": True} if fused else {}))
 
     # --- one optimizer step
     def train_step(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice, global_label_tokens: int,
