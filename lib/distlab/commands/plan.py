@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from distlab import markdown
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError, finite_float, run_main
 from distlab.config import load_config, parse_override
 from distlab.planning import memory
 from distlab.planning.shapes import SEED_MODEL_IDS
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML file of TrainConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
     parser.add_argument("--devices", help="NAME:GB,... (default: the LAN cluster guide's three GPUs)")
-    parser.add_argument("--link-gbit", type=float, default=1.0, help="the link between the GPUs' hosts")
+    parser.add_argument("--link-gbit", type=finite_float, default=1.0, help="the link between the GPUs' hosts")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, dict(parse_override(s) for s in args.set))
     devices = parse_devices(args.devices)
