@@ -252,6 +252,12 @@ def resolve_model(model: str | Path | None) -> str:
     return str(model)
 
 
+# bitsandbytes (imported by peft and transformers whenever it is installed, quantised or not) warns at import, on
+# CPUs with AVX512-BF16, that it cannot fetch an optional 4-bit kernel from the Hugging Face hub: offline by design
+# here, and its own fallback kernel runs instead. Silenced before anything imports it, so no chapter prints it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def _quiet_hf() -> None:
     """Per-load progress bars from transformers add nothing but noise to notebook outputs, and
     peft calls a transformers method that transformers 5 deprecates (not ours to fix)."""
