@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 
 from distlab.bench import ddp_scaling
@@ -196,11 +197,17 @@ def test_ddp_benchmark_prints_the_schema_numbers(tmp_path, monkeypatch, capsys):
         log = write_logs(Path(runs_dir) / name, {r: steps for r in range(k)})
         return SimpleNamespace(log=log, result=SimpleNamespace(elapsed_s=1.0))
 
+    def fake_ceiling(steps, rounds, runs_dir):  # its own launches are tested in test_ddp_lesson
+        assert steps == W + 2 and rounds == 3
+        return pd.DataFrame({"round": [1, 2, 3], "ceiling": [0.98, 0.95, 1.0]}).set_index("round")
+
     monkeypatch.setattr(local, "launch_training", fake_launch)
+    monkeypatch.setattr(ddp_scaling, "ceiling", fake_ceiling)
     assert ddp_scaling.main(["--steps", str(W + 2), "--rounds", "3"]) == 0
     assert order == [1, 2, 1, 2, 1, 2]  # alternating rounds
     out = capsys.readouterr().out
     assert "tokens_per_s" in out and "scaling_efficiency 0.95" in out and "toks" not in out
+    assert "ceiling 0.98 (rounds 0.95-1.00)" in out and "DDP reaches 0.97 of it" in out
     assert "pairings of rounds: 0.86-1.04" in out  # 0.95 / 1.1 and 0.95 x 1.1: the spread is printed
     with pytest.raises(ValueError, match="warm-up"):
         ddp_scaling.measure(steps=W)
