@@ -190,8 +190,8 @@ def fake_run(tmp_path, world: int = 2, steps: int = W + 2):
             log.write("step", step=n, world_size=world, loss=3.0 - 0.1 * n, step_time_s=seconds, tokens=800,
                       tokens_per_s=800 / seconds, peak_mem_bytes=(100 + rank) * 2**20, comm_time_s=0.1 * (rank + 1),
                       comm_bytes=4096)
-    cfg = SimpleNamespace(output_dir=str(out), lora=True, lora_r=16, model=None, device="cpu", dtype="fp32",
-                          micro_batch_size=2, seq_len=256, seed=0, micro_steps=lambda dp: 8 // (2 * dp))
+    cfg = SimpleNamespace(output_dir=str(out), lora=True, lora_r=16, vocab_parallel=False, model=None, device="cpu",
+                          dtype="fp32", micro_batch_size=2, seq_len=256, seed=0, micro_steps=lambda dp: 8 // (2 * dp))
     strategies = [SimpleNamespace(name="ddp", rank=r, world_size=world, data_parallel_size=world) for r in range(world)]
     return out, cfg, strategies
 

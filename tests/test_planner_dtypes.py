@@ -7,8 +7,6 @@ match plan_memory(dtype=...) within 5%. Then the ZeRO paper's per-parameter form
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from distlab.config import LORA_TARGETS, TrainConfig
@@ -29,24 +27,6 @@ COMMON = {"max_steps": 2, "micro_batch_size": 2, "seq_len": 64, "logging_steps":
           "measure_state": True, "device": "cpu"}
 
 
-def sweep_results(console, world: int) -> dict[str, dict[int, dict]]:
-    """run name -> rank -> result record, from the console log of a launch_sweep: every rank prints one
-    result per run, in run order, so the i-th result of each rank's stream belongs to the i-th run."""
-    streams: dict[int, list[list[str]]] = {}
-    for line in console.read_text(encoding="utf-8", errors="replace").splitlines():
-        m = re.match(r"^\[default(\d+)\]:", line)
-        if m:
-            chunks = streams.setdefault(int(m.group(1)), [[]])
-            chunks[-1].append(line)
-            if "DISTLAB_RESULT_END" in line:
-                chunks.append([])
-    out = {}
-    for i in range(len(streams.get(0, [[]])) - 1):
-        res = extract.extract_results("\n".join(x for r in range(world) for x in streams[r][i]) + "\n", world)
-        out[res[0]["run"]] = res
-    return out
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """(strategy, dtype, mode) -> rank -> state_bytes, from one launch per strategy."""
@@ -58,7 +38,7 @@ def measured(tmp_path_factory):
                     for d in plan.TRAINER_DTYPES for m in MODES}
         launch_sweep(f"dtypes_{strategy}", world, {**COMMON, "strategy": strategy, "global_batch_size": 2 * world},
                      variants, runs_dir=root, echo=False, timeout_s=600)
-        results = sweep_results(root / f"dtypes_{strategy}" / "console.log", world)
+        results = extract.collect_sweep(root / f"dtypes_{strategy}", world)
         assert list(results) == list(variants), strategy
         for name, extra in variants.items():
             out[(strategy, extra["dtype"], "lora" if extra["lora"] else "full")] = {

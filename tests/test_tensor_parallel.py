@@ -1,7 +1,7 @@
 """Tensor parallelism (chapter 07): the `tp` strategy's registration, refusals and plan, the collective counter,
-the notebook's by-hand split (in one process, then under torchrun), the `tp` run (with and without sequence
-parallelism) against one device, and the bytes a step sends under ddp, fsdp, tp and tp + sequence parallelism,
-formula against counted."""
+the notebook's by-hand split (in one process, then under torchrun) and its vocabulary-parallel loss, the `tp`
+run (with and without sequence parallelism) against one device, and the bytes a step sends under ddp, fsdp, tp
+and tp + sequence parallelism, formula against counted."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from distlab.launch.spec import LaunchSpec
 from distlab.measure.collectives import CollectiveCounter
 from distlab.models import load_model
 from distlab.planning import memory, plan
+from distlab.results import extract
 from distlab.strategies import make_strategy
 from distlab.strategies.tp import LAYER_PLAN, TPStrategy, check_tp_degree
 
@@ -181,6 +182,10 @@ def test_the_notebook_scripts_match_one_device_under_torchrun(tmp_path):
     assert all(b["forward_calls"] == b["backward_calls"] == 1 for b in by_hand.values())
     dtensor = ch07.run_script(scripts["dtensor_layer.py"], nproc=2, timeout_s=300)
     assert max(dtensor["output"], dtensor["input_grad"], dtensor["q_proj_grad"]) < 1e-5
+    vocab = ch07.run_script(scripts["vocab_parallel_loss.py"], nproc=2, timeout_s=300)
+    assert vocab["by_hand"]["loss"] < 1e-6 and vocab["by_hand"]["logit_grad"] < 1e-6
+    assert [op for op, _ in vocab["by_hand"]["calls"]] == ["all_reduce"] * 3, "max, sum of exp, target logit"
+    assert vocab["model"]["loss"] < 1e-6 and vocab["model"]["embedding_grad"] < 1e-5 and vocab["model"]["tied"]
 
 
 @pytest.mark.slow
@@ -191,12 +196,22 @@ def test_tp_training_has_the_loss_of_one_device(tmp_path):
     single = local.launch_training("t07_single", 1, {**common, "strategy": "single"}, runs_dir=tmp_path,
                                    scripts_dir=tmp_path, echo=False)
     runs = local.launch_sweep("t07_tp_runs", 2, {**common, "strategy": "tp"},
-                              {"t07_tp": {"save_model": True}, "t07_tp_sp": {"sequence_parallel": True}},
+                              {"t07_tp": {"save_model": True}, "t07_tp_sp": {"sequence_parallel": True},
+                               "t07_tp_vocab": {"vocab_parallel": True, "measure_state": True, "eval_at_end": True}},
                               runs_dir=tmp_path, scripts_dir=tmp_path, echo=False)
     tp = runs["t07_tp"]
     for job in runs.values():
         losses = ch07.loss_comparison(single.log, job.log)
         assert len(losses) == 3 and losses["difference"].max() < 1e-5
+    # the vocabulary split: each rank holds half the embedding (tied to the head) and its moments, as planned
+    config = load_model(None).config
+    vocab_run = extract.collect_sweep(tmp_path / "t07_tp_runs", 2)["t07_tp_vocab"]
+    for rank, rec in vocab_run.items():
+        planned = memory.plan_memory(config, strategy="tp", world_size=2, rank=rank, dtype="fp32", vocab_parallel=True)
+        whole = memory.plan_memory(config, strategy="tp", world_size=2, rank=rank, dtype="fp32")
+        assert planned.weights < whole.weights - 0.4 * config.vocab_size * config.hidden_size * 4
+        for part in ("weights", "gradients", "optimizer_state"):
+            assert rec["state_bytes"][part] == pytest.approx(getattr(planned, part), rel=0.05), (rank, part)
     saved = load_model(tp.output_dir / "model")  # rank 0 wrote whole weights, gathered from the slices
     cfg = saved.config
     assert saved.model.layers[0].mlp.down_proj.weight.shape == (cfg.hidden_size, cfg.intermediate_size)
@@ -231,6 +246,13 @@ def test_the_torchrun_writer_takes_a_tp_size_for_two_nodes_of_tp_groups(tmp_path
     for path in scripts:
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
         assert "tp_size=2" in path.read_text()
+
+
+def test_vocab_parallel_is_a_setting_of_tp_alone():
+    with pytest.raises(ConfigError, match="vocab_parallel=true needs strategy=tp, not 'fsdp_tp'"):
+        TrainConfig(strategy="fsdp_tp", vocab_parallel=True)
+    with pytest.raises(ValueError, match="vocab_parallel is a setting of strategy tp"):
+        plan.plan_memory(load_model(None).config, strategy="ddp", world_size=2, vocab_parallel=True)
 
 
 def test_sequence_parallel_is_a_tensor_parallel_setting():

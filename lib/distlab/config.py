@@ -113,6 +113,9 @@ class TrainConfig:
     # tp / fsdp_tp: activations between blocks sharded along the sequence (norms on s / tp tokens); all-gather
     # and reduce-scatter replace each block's all-reduce
     sequence_parallel: bool = False
+    # tp: the vocabulary split too: embedding rows, LM head columns, and the loss computed from the logit slices
+    # (torch's loss_parallel); off: embedding, head and loss whole on every rank
+    vocab_parallel: bool = False
     # fault tolerance
     checkpoint_steps: int = 0  # 0: no periodic checkpoints
     keep_checkpoints: int = 2
@@ -135,6 +138,8 @@ class TrainConfig:
         if self.sequence_parallel and self.strategy not in TP_STRATEGIES:
             raise ConfigError(f"TrainConfig: sequence_parallel=true needs strategy tp or fsdp_tp, "
                               f"not {self.strategy!r}")
+        if self.vocab_parallel and self.strategy != "tp":
+            raise ConfigError(f"TrainConfig: vocab_parallel=true needs strategy=tp, not {self.strategy!r}")
         _check_quantised(self)
         if self.ddp_comm_hook and self.strategy != "ddp":  # other strategies would ignore it without a word
             raise ConfigError(f"TrainConfig: ddp_comm_hook={self.ddp_comm_hook!r} needs strategy=ddp "

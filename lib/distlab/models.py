@@ -428,4 +428,6 @@ def label_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head) -> torch.Te
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
     logits = head(hidden[:, :-1][keep])
-    return torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="sum")
+    loss = torch.nn.functional.cross_entropy(logits.float(), targets[keep], reduction="sum")
+    # a head split by vocabulary (strategies.tp, vocab_parallel) gives a replicated DTensor: the loop reads a tensor
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss

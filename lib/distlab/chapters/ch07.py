@@ -30,7 +30,7 @@ from distlab.planning.memory import state_vs_plan
 from distlab.planning.shapes import config_value
 from distlab.provenance import save_figure
 from distlab.results import schema
-from distlab.results.extract import collect_run
+from distlab.results.extract import collect_run, collect_sweep
 from distlab.workers import launcher
 from distlab.workers.step_bytes import RUNS as STEP_BYTES_RUNS  # {name: (strategy, sequence_parallel)}
 
@@ -249,12 +249,28 @@ def loss_comparison(single_log: str | Path, tp_log: str | Path, label: str = "tp
     return pd.DataFrame({"one device": one, label: tp, "difference": (tp - one).abs()})
 
 
+TP_RUNS = "07_tp_runs"  # the launch that runs both tp runs, one after the other in the same two ranks
+
+
 def train_one_and_tp(overrides: Mapping, timeout_s: int = 300) -> dict[str, local.TrainJob]:
-    """The same full fine-tuning on one process (`single`) and on two tensor-parallel ranks (`tp`)."""
-    return {"single": local.launch_training("07_single", 1, {**overrides, "strategy": "single"},
-                                            timeout_s=timeout_s, echo=False),
-            "tp": local.launch_training("07_tp", 2, {**overrides, "strategy": "tp"}, timeout_s=timeout_s,
-                                        echo=False)}
+    """The same full fine-tuning on one process (`single`) and on two tensor-parallel ranks, twice in one launch:
+    the layers split (`tp`), then the vocabulary split as well (`tp_vocab`: vocab_parallel), each rank's
+    state bytes recorded."""
+    single = local.launch_training("07_single", 1, {**overrides, "strategy": "single"}, timeout_s=timeout_s,
+                                   echo=False)
+    split = local.launch_sweep(TP_RUNS, 2, {**overrides, "strategy": "tp", "measure_state": True},
+                               {"07_tp": {}, "07_tp_vocab": {"vocab_parallel": True}}, timeout_s=timeout_s, echo=False)
+    return {"single": single, "tp": split["07_tp"], "tp_vocab": split["07_tp_vocab"]}
+
+
+def tp_state_against_plan(config) -> pd.DataFrame:
+    """Rank 0's measured weight, gradient and optimizer bytes in both tp runs of `train_one_and_tp`, against the
+    planner's, in MiB (rank 1 holds the same, give or take a row of an odd vocabulary)."""
+    runs = collect_sweep(paths.RUNS_DIR / TP_RUNS, 2)
+    table = state_vs_plan([runs["07_tp"], runs["07_tp_vocab"]], config)
+    table["split"] = table["run"].map({"07_tp": "layers", "07_tp_vocab": "layers + vocabulary"})
+    table = table[(table["component"] != "adapter_weights") & (table["rank"] == 0)]
+    return table.set_index(["split", "component"])[["measured_mib", "planned_mib", "planned / measured"]].round(4)
 
 
 # ---------------------------------------------------------------- sequence parallelism, and what each strategy sends

@@ -107,10 +107,11 @@ def state_vs_plan(runs: Iterable[Mapping[int, Mapping[str, Any]]], config, *, dt
                                dtype=dtype, lora_r=rec.get("lora_r") if rec["mode"] == "lora" else None,
                                lora_targets=lora_targets or LORA_TARGETS,
                                tp_size=rec["world_size"] // rec["data_parallel_size"] if rec["strategy"] == "fsdp_tp"
-                               else None)
+                               else None, vocab_parallel=bool(rec.get("vocab_parallel")))
             for part in STATE_PARTS:
                 m, p = measured[part], getattr(plan, part)
-                rows.append({"strategy": rec["strategy"], "mode": rec["mode"], "world_size": rec["world_size"],
+                rows.append({"run": rec.get("run"), "strategy": rec["strategy"], "mode": rec["mode"],
+                             "world_size": rec["world_size"],
                              "rank": rank, "component": part, "measured_mib": m / 2**20, "planned_mib": p / 2**20,
                              "planned / measured": (p / m) if m else (1.0 if p == 0 else float("inf"))})
     return pd.DataFrame(rows)

@@ -228,6 +228,7 @@ class PlanSetup:
     grad_accum: int
     zero3_persistence_threshold: int
     tp_size: int = 1  # fsdp_tp: ranks per tensor-parallel group
+    vocab_parallel: bool = False  # tp: embedding and LM head cut by vocabulary rows, logits sliced
     quantization: str | None = None  # a bitsandbytes base ("nf4", "int8"): frozen bytes per tensor, not weight_bytes
     double_quant: bool = True
     optimizer: str = "adamw"
@@ -371,6 +372,7 @@ def plan_pipeline(s: PlanSetup, rank: int) -> MemoryBreakdown:
 
 TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # strategies.tp's plan
 TP_ROWWISE = ("o_proj", "down_proj")
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")  # cut by vocabulary rows with vocab_parallel
 
 
 def tp_sliced(name: str) -> bool:
@@ -391,12 +393,14 @@ def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     adapted projection: `tp_sliced`) cut in `world` slices; embedding, norms and LM head whole on every rank.
     Activations: the layer inputs and outputs whole, the per-head and FFN-width ones sliced."""
     def held(p):
-        return _chunk(p.numel, s.world_size) if tp_sliced(p.name) else p.numel
+        sliced = tp_sliced(p.name) or (s.vocab_parallel and p.name in VOCAB_TENSORS)
+        return _chunk(p.numel, s.world_size) if sliced else p.numel
 
     held_t = sum(held(p) for p in s.trained)
     w, a = s.split(s.frozen_bytes(held), held_t * s.trainable_bytes)
     b = MemoryBreakdown(w, a, held_t * s.trainable_bytes, held_t * s.moment_bytes, s.activations)
-    b.notes.append("each layer's q/k/v/o and gate/up/down sliced over the ranks; the rest replicated")
+    b.notes.append("each layer's q/k/v/o and gate/up/down sliced over the ranks" +
+                   ("; embedding and LM head cut by vocabulary rows" if s.vocab_parallel else "; the rest replicated"))
     return b
 
 
@@ -436,7 +440,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                 activation_bytes: float | None = None, lora_dropout: float = 0.0, loss_token_fraction: float = 1.0,
                 pipeline_stages: int | None = None, stage_layers: Sequence[int] | None = None, grad_accum: int = 1,
                 offload_optimizer: bool = False, zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
-                rank: int | None = None, tp_size: int | None = None, double_quant: bool = True) -> MemoryBreakdown:
+                rank: int | None = None, tp_size: int | None = None, double_quant: bool = True,
+                vocab_parallel: bool = False) -> MemoryBreakdown:
     """Predicted bytes one rank holds while training `config` with `strategy` on `world_size` ranks.
 
     config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: one the trainer
@@ -466,7 +471,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
       ds_pipeline   and LM head), DDP across world / stages replicas; activations of the micro-batches
                     in flight (1F1B: stages - stage index).
       tp            each decoder layer's projections cut in `world` slices (strategies.tp's plan; with LoRA,
-                    one factor of each adapter too); embedding, norms and LM head whole on every rank.
+                    one factor of each adapter too); embedding, norms and LM head whole on every rank, or
+                    with `vocab_parallel` the embedding and head (and the logits) cut by vocabulary rows.
       fsdp_tp       the projections cut in `tp_size` slices (default 2), then every tensor sharded by FSDP
                     over the world / tp_size groups.
     """
@@ -478,6 +484,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     tp = tp_size or (2 if strategy == "fsdp_tp" else world_size)
     if strategy == "fsdp_tp" and world_size % tp:
         raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp}")
+    if vocab_parallel and strategy != "tp":
+        raise ValueError(f"vocab_parallel is a setting of strategy tp, not {strategy!r}")
     if strategy in PIPELINE_STRATEGIES and world_size % stages:
         raise ValueError(f"world_size {world_size} is not a multiple of pipeline_stages {stages}")
     prec = resolve_precision(strategy, dtype, lora=bool(lora_r), optimizer=optimizer, weight_bytes=weight_bytes,
@@ -496,11 +504,12 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
         master_moment_bytes=moment_bytes(optimizer), zero_grad_bytes=prec.zero_grad_bytes,
         activations=activation_bytes_estimate(config, micro_batch, seq_len, act_b, activation_checkpointing,
                                               lora_r, targets, lora_dropout, loss_token_fraction,
-                                              tp=tp if strategy in ("tp", "fsdp_tp") else 1),
+                                              tp=tp if strategy in ("tp", "fsdp_tp") else 1,
+                                              vocab_tp=tp if vocab_parallel else 1),
         activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
         zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp, quantization=quantization,
-        double_quant=double_quant, optimizer=optimizer)
+        double_quant=double_quant, optimizer=optimizer, vocab_parallel=vocab_parallel)
     planner = PLANNERS[strategy]
     if strategy in REPLICATED:
         return planner(setup, 0)

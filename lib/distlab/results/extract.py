@@ -182,3 +182,24 @@ def collect_run(run_dir: str | Path, expected_ranks=None, source: str = "auto") 
     if not logs:
         raise ResultLogError(f"{run_dir}: no console.log and no per-rank logs under torchrun/")
     return extract_results(logs, expected_ranks)
+
+
+def collect_sweep(launch_dir: str | Path, world_size: int) -> dict[str, dict[int, dict[str, Any]]]:
+    """Results of every run of one distlab.launch.local.launch_sweep, {run name: {rank: record}}, from the
+    launch's console log: every rank prints one result per run, in run order, so the i-th result of each
+    rank's stream (torchrun's `[defaultN]:` prefix) belongs to the i-th run."""
+    console = Path(launch_dir) / "console.log"
+    streams: dict[int, list[list[str]]] = {}
+    for line in console.read_text(encoding="utf-8", errors="replace").splitlines():
+        m = re.match(r"^\[default(\d+)\]:", line)
+        if m:
+            chunks = streams.setdefault(int(m.group(1)), [[]])
+            chunks[-1].append(line)
+            if "DISTLAB_RESULT_END" in line:
+                chunks.append([])
+    out = {}
+    for i in range(len(streams.get(0, [[]])) - 1):
+        text = "\n".join(x for r in range(world_size) for x in streams[r][i]) + "\n"
+        results = extract_results(text, world_size, name=f"{console} (run {i + 1})")
+        out[results[0]["run"]] = results
+    return out

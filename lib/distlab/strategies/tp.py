@@ -24,6 +24,14 @@ all-gathered in backward), the final norm's output is all-gathered for the LM he
 weights see only this rank's tokens: their gradients are partial sums, all-reduced once per step
 (`sum_partial_gradients`). Not with LoRA yet (the gathered DTensor would reach the adapters' whole factors).
 
+The vocabulary (`vocab_parallel`, Megatron's vocabulary-parallel embedding and cross entropy): the embedding
+is cut by rows (`RowwiseParallel`: a rank looks up the tokens of its V / tp rows, zeros for the others, and an
+all-reduce sums the partial outputs), the LM head by output columns (`ColwiseParallel`, its logits left sharded
+on the vocabulary), and the loss is computed from the logit slices under torch's `loss_parallel()`: per label
+token an all-reduce of the largest logit, of the sum of exponentials and of the target's logit; backward, the
+head's input gradient is all-reduced (`vocab_plan`, `TPStrategy.sync_context`). A tied embedding and head are
+one matrix cut the same way (`Shard(0)`), and stay one. Chapter 07 writes the loss by hand first.
+
 The data is NOT split: every rank sees every row (data-parallel size 1), so the loop's token counts and
 loss need no sum over ranks. A rank computes the local heads of attention, which needs the key/value
 head count divisible by the world size (`check_tp_degree`). With LoRA the plan splits each wrapped
@@ -34,6 +42,7 @@ writes it); `save_model` gathers the full weights and rank 0 writes a from_pretr
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -47,6 +56,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -104,9 +114,23 @@ def sequence_parallel_plan() -> dict:
             "mlp.down_proj": RowwiseParallel(output_layouts=tokens)}
 
 
-def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
+def vocab_plan(model: torch.nn.Module, mesh) -> None:
+    """Cut the embedding by rows and the LM head by output columns (in place): each rank holds V / tp rows of
+    the vocabulary and computes those logits, left sharded for loss_parallel(). A tied head is the embedding's
+    matrix: each style makes its own DTensor of it, so the head is given the embedding's again (both Shard(0))."""
+    causal = model.causal_lm
+    embedding, head = causal.get_input_embeddings(), causal.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    parallelize_module(embedding, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    if tied:
+        head.weight = embedding.weight
+
+
+def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False, vocab_parallel: bool = False) -> None:
     """Split every decoder layer's projections (and their LoRA adapters) over the mesh (in place); with
-    `sequence_parallel`, also the activations between blocks along the sequence."""
+    `sequence_parallel`, also the activations between blocks along the sequence; with `vocab_parallel`, the
+    embedding and the LM head along the vocabulary (the loss then runs under loss_parallel())."""
     check_tp_degree(model.causal_lm.config, mesh.size())
     layers = decoder_layers(model)
     for layer in layers:
@@ -120,6 +144,8 @@ def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False)
         norm = model.causal_lm.get_decoder().norm
         parallelize_module(norm, mesh, SequenceParallel())
         parallelize_module(norm, mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()))
+    if vocab_parallel:
+        vocab_plan(model, mesh)
 
 
 class TPStrategy(DistributedStrategy):
@@ -129,6 +155,7 @@ class TPStrategy(DistributedStrategy):
         super().__init__()
         self.mesh = None
         self.sequence_parallel = False
+        self.vocab_parallel = False
 
     @property
     def data_parallel_size(self) -> int:
@@ -150,6 +177,7 @@ class TPStrategy(DistributedStrategy):
         self.refuse_what_tp_cannot_do(self.name, cfg)
         super().setup(cfg)
         self.sequence_parallel = cfg.sequence_parallel
+        self.vocab_parallel = cfg.vocab_parallel
         if cfg.tp_size not in (None, self.world_size):
             raise ValueError(f"strategy 'tp' splits over all {self.world_size} ranks: tp_size={cfg.tp_size} "
                              "needs strategy fsdp_tp (tensor parallelism inside groups, FSDP across them)")
@@ -158,8 +186,20 @@ class TPStrategy(DistributedStrategy):
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
         model = model.to(choice.device)
-        apply_tp_plan(model, self.mesh, self.sequence_parallel)
+        apply_tp_plan(model, self.mesh, self.sequence_parallel, self.vocab_parallel)
         return model
+
+    def loss_context(self):
+        """Where the loss is computed from logit slices (`vocab_parallel`), its forward and its backward both run
+        under torch's loss_parallel(); otherwise nothing."""
+        return loss_parallel() if self.vocab_parallel else contextlib.nullcontext()
+
+    def sync_context(self, model: torch.nn.Module, sync: bool):
+        return self.loss_context()  # one micro-step: forward and backward (no gradient sync to skip: one replica)
+
+    def evaluate(self, model, data, choice, batch_size: int = 8) -> float:
+        with self.loss_context():
+            return super().evaluate(model, data, choice, batch_size)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor  # one data-parallel replica: every rank already holds the whole step's counts and loss
