@@ -28,6 +28,7 @@ def test_each_rung_keeps_the_changes_above_it():
     last = mfu_ladder.rung_settings(None, "cpu", "fp32", 64, 3, len(mfu_ladder.RUNGS) - 1)
     assert last["fused_optimizer"] and last["compile"] and last["packing"]
     assert last["activation_checkpointing"] is False and last["attn_implementation"] == "varlen"
+    assert last["dtype"] == "bf16" and mfu_ladder.rung_settings(None, "cpu", "fp32", 64, 3, 0)["dtype"] == "fp32"
     assert mfu_ladder.rung_settings(None, "cpu", "fp32", 64, 3, 0)["attn_implementation"] == "eager"
 
 

@@ -3,8 +3,8 @@
 #   1. bring-up: the environment, then tests/test_gpu.py (flash varlen attention against the CPU
 #      reference; the tiny config trains on CUDA in bf16 autocast);
 #   2. MFU: python -m distlab.bench.mfu_ladder on the qwen2.5-0.5b-random preset;
-#   3. distlab vs HF Trainer vs TRL on the same preset (python -m distlab.bench.trainer_vs_hf --device cuda);
-#   4. chapters' gpu profiles, in order, while time is left.
+#   3. chapters' gpu profiles, in order, while time is left;
+#   4. distlab vs HF Trainer vs TRL on the same preset (python -m distlab.bench.trainer_vs_hf --device cuda).
 # Each step has a time box (its cap, or what is left of the budget) and its own log; a failed step is
 # reported and the next one runs. Everything lands in $OUT/gpu_results.tgz.
 #
@@ -57,10 +57,10 @@ TAIL_LINES=40 step profile 90 python3 tools/gpu_profile_steps.py
 # shellcheck disable=SC2086  # LADDER_ARGS is a list of words
 TAIL_LINES=30 step mfu_ladder 330 python3 -m distlab.bench.mfu_ladder --steps 25 --warmup 8 --timeout 120 \
   --out "$work" ${LADDER_ARGS:-}
-step trainer_vs_hf 150 python3 -m distlab.bench.trainer_vs_hf --device cuda --model qwen2.5-0.5b-random \
-  --steps 25 --warmup 8 --rounds 1 --csv "$work/trainer_vs_hf.csv"
 for chapter in ${CHAPTERS:-00 01}; do
   step "chapter_$chapter" 240 python3 -m distlab.publish.regenerate --profile gpu --only "$chapter" --force \
     --out-dir "$work/notebooks" --figures-dir "$work/figures" --work-dir "$work/regenerate"
 done
+step trainer_vs_hf 150 python3 -m distlab.bench.trainer_vs_hf --device cuda --model qwen2.5-0.5b-random \
+  --steps 25 --warmup 8 --rounds 1 --csv "$work/trainer_vs_hf.csv"
 tar czf "$out/gpu_results.tgz" -C "$work" . && echo "== saved $out/gpu_results.tgz ($(( SECONDS - start ))s in all)"

@@ -41,6 +41,9 @@ RUNGS = (
     ("+ activation checkpointing, micro-batch 16", {"activation_checkpointing": True, "micro_batch_size": 16}),
     ("+ torch.compile, block by block", {"compile": True}),
     ("- activation checkpointing (memory allows it)", {"activation_checkpointing": False}),
+    # autocast casts every fp32 weight to bf16 at every use; bf16 weights skip those casts (and, here,
+    # keep no fp32 master copy: a throughput rung, not a recipe for long runs)
+    ("+ bf16 weights, no autocast", {"dtype": "bf16"}),
 )
 
 
