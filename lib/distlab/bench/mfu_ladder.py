@@ -69,7 +69,8 @@ def run_rung(settings: dict, out_dir: Path, timeout_s: float) -> tuple[list[dict
     except RunFailed as failure:
         lines = [line for line in str(failure).splitlines() if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line]
-        return [], {}, (errors or lines or ["failed"])[-1].strip()[:300]
+        # the last error line names the cause; without one (a timeout, a signal) the first line does
+        return [], {}, (errors[-1] if errors else lines[0] if lines else "failed").strip()[:300]
     log = out_dir / "train_log.jsonl"
     return read_log(log), read_log(log, "start")[0], ""
 
