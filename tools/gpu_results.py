@@ -1,16 +1,19 @@
 """The GPU records of one lent-machine session, as the book shows them.
 
-    python tools/gpu_results.py figures/gpu/session_2026-11-26
+    python tools/gpu_results.py figures/gpu/session_2026-11-26 figures/gpu/session_2026-11-27
 
-The session folder holds what tools/gpu_session.sh brought back, one folder per call (call1, call2, ...),
+Each session folder holds what tools/gpu_session.sh brought back, one folder per call (call1, call2, ...),
 and SESSION.json: the device's versions and the commit each call ran (a lent machine gets a copy of the
 working tree, whose git metadata can be stale, so the commit is the one the caller sent). This writes,
-beside the session folder:
+beside the session folders:
 
-- mfu_ladder.csv: every rung of the MFU ladder, from the latest call that measured it with the code
-  of that call (a call's CSV if it saved one, else the rung lines of its log), with the call and commit;
+- mfu_ladder.csv: every rung of the MFU ladder, from the latest session and call that measured it with the
+  code of that call (a call's CSV if it saved one, else the rung lines of its log), with the call and commit.
+  A session's SESSION.json may list "ladder_repeats": rungs it ran again with unchanged code only to reach
+  the rungs after them; those stay in the sidecar, and the table keeps the measurement made in the same call
+  as the rung before it, so neighbouring rungs compare side by side;
 - mfu_ladder.png: MFU per rung against the data-sheet peak and against the measured matmul peak;
-- trainer_vs_hf.csv: the distlab / HF Trainer / TRL comparison as the session measured it;
+- trainer_vs_hf.csv: the distlab / HF Trainer / TRL comparison as each session measured it;
 
 each with a provenance sidecar naming the device, driver, CUDA and PyTorch versions and the sources.
 """
@@ -59,24 +62,50 @@ def ladder_rows(call: Path, commit: str) -> list[dict]:
     return rows
 
 
-def main(session: Path) -> int:
-    meta = json.loads((session / "SESSION.json").read_text())
-    calls = sorted(p for p in session.iterdir() if p.is_dir() and (p / "mfu_ladder.log").exists())
+TRAINER_LINE = re.compile(r"^round \d+/\d+\s+(?P<framework>\S+):\s+(?P<tps>\d+) real tokens/s$")
+
+
+def trainer_rows(record: Path) -> pd.DataFrame:
+    """A session's distlab / HF Trainer / TRL record: its CSV, or the round lines of its log where the
+    comparison was cut off before it saved one (ratios then against the HF Trainer row it did measure)."""
+    if record.suffix == ".csv":
+        return pd.read_csv(record)[["framework", "tokens_per_s", "vs_hf_trainer"]]
+    rows = [{"framework": m["framework"], "tokens_per_s": float(m["tps"])}
+            for m in map(TRAINER_LINE.match, record.read_text().splitlines()) if m]
+    table = pd.DataFrame(rows)
+    table["vs_hf_trainer"] = table["tokens_per_s"] / table.set_index("framework").loc["hf_trainer", "tokens_per_s"]
+    return table
+
+
+def main(sessions: list[Path]) -> int:
+    out = sessions[0].parent
+    metas = {session.name: json.loads((session / "SESSION.json").read_text()) for session in sessions}
     by_rung: dict[int, dict] = {}
-    superseded = []
-    for call in calls:  # a later call's measurement of a rung replaces an earlier one (newer code)
-        for row in ladder_rows(call, meta["calls"][call.name]["commit"]):
-            if row["rung"] in by_rung:
-                superseded.append({**by_rung[row["rung"]], "superseded_by": call.name})
-            by_rung[row["rung"]] = row
+    superseded, repeats, sources = [], [], []
+    for session in sorted(sessions):  # a later call's measurement of a rung replaces an earlier one (newer code)
+        meta = metas[session.name]
+        calls = sorted(p for p in session.iterdir() if p.is_dir() and (p / "mfu_ladder.log").exists())
+        for call in calls:
+            sources.append(str(call.relative_to(out)))
+            for row in ladder_rows(call, meta["calls"][call.name]["commit"]):
+                row["call"] = f"{meta['date']} {call.name}"
+                if row["rung"] in meta.get("ladder_repeats", []):  # same code again, away from its neighbours
+                    repeats.append(row)
+                    continue
+                if row["rung"] in by_rung:
+                    superseded.append({**by_rung[row["rung"]], "superseded_by": row["call"]})
+                by_rung[row["rung"]] = row
     ladder = pd.DataFrame([by_rung[k] for k in sorted(by_rung)])
-    out = session.parent
-    base = {"device": meta["device"], "model": "qwen2.5-0.5b-random", "world_size": 1,
-            "commit": " / ".join(f"{c}: {v['commit']}" for c, v in meta["calls"].items()),
-            "date": meta["date"], "driver": meta["driver"], "cuda": meta["cuda"], "torch": meta["torch"],
-            "packages": meta["packages"], "session": session.name}
-    provenance = {**base, "sources": [str(c.relative_to(out)) for c in calls],
-                  "superseded_rows": superseded, "note": meta.get("note", "")}
+    first = metas[sorted(metas)[0]]
+    versions = {k: sorted({m[k] for m in metas.values()}) for k in ("device", "driver", "cuda", "torch")}
+    base = {**{k: " / ".join(v) for k, v in versions.items()}, "model": "qwen2.5-0.5b-random", "world_size": 1,
+            "commit": " / ".join(f"{m['date']} {c}: {v['commit']}" for m in metas.values() for c, v in m["calls"].items()),
+            "date": " / ".join(m["date"] for m in metas.values()), "packages": first["packages"],
+            "session": " ".join(sorted(metas))}
+    used = ladder.drop_duplicates("call")  # the calls whose rows the table shows name its commits and dates
+    provenance = {**base, "commit": " / ".join(f"{r.call}: {r.commit}" for r in used.itertuples()),
+                  "date": " / ".join(sorted({r.call.split()[0] for r in used.itertuples()})), "sources": sources, "superseded_rows": superseded, "repeated_rows": repeats,
+                  "note": " ".join(f"{m['date']}: {m.get('note', '')}" for m in metas.values())}
     save_table(ladder.round(4), out / "mfu_ladder.csv", provenance)
 
     fig, ax = plt.subplots(figsize=(9, 4.2))
@@ -85,7 +114,7 @@ def main(session: Path) -> int:
             label="MFU against the data-sheet peak (989 TFLOP/s)")
     ax.barh([i + 0.2 for i in y], ladder["mfu_measured_peak"] * 100, height=0.4, color="tab:orange",
             label="MFU against the matmul peak measured in the same call ("
-                  + " and ".join(f"{p:.0f}" for p in ladder["measured_matmul_tflops"].unique()) + " TFLOP/s)")
+                  + ", ".join(f"{p:.0f}" for p in ladder["measured_matmul_tflops"].unique()) + " TFLOP/s)")
     for i, row in enumerate(ladder.itertuples()):
         ax.text(row.mfu_measured_peak * 100 + 0.4, i, f"{row.tokens_per_s / 1000:.1f}k tokens/s", va="center",
                 fontsize=8)
@@ -99,15 +128,24 @@ def main(session: Path) -> int:
     fig.tight_layout()
     save_figure(fig, out / "mfu_ladder.png", provenance)
 
-    trainer = session / meta["trainer_vs_hf"]
-    table = pd.read_csv(trainer)
-    save_table(table.round(4), out / "trainer_vs_hf.csv",
-               {**base, "commit": meta["calls"][trainer.parent.name]["commit"],
-                "sources": [str(trainer.relative_to(out))], "note": meta.get("trainer_note", "")})
+    tables, trainer_sources = [], []
+    for session in sorted(sessions):
+        meta = metas[session.name]
+        record = session / meta["trainer_vs_hf"]
+        table = trainer_rows(record)
+        call = record.parent.name
+        table.insert(0, "measured", f"{meta['date']} {call} ({meta['calls'][call]['commit']})")
+        tables.append(table)
+        trainer_sources.append(str(record.relative_to(out)))
+    trainer = pd.concat(tables, ignore_index=True)
+    save_table(trainer.round(4), out / "trainer_vs_hf.csv",
+               {**base, "sources": trainer_sources,
+                "note": " ".join(f"{m['date']}: {m.get('trainer_note', '')}" for m in metas.values())})
     print(ladder.to_string(index=False))
+    print(trainer.to_string(index=False))
     print(f"wrote {out / 'mfu_ladder.csv'}, {out / 'mfu_ladder.png'}, {out / 'trainer_vs_hf.csv'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main([Path(a) for a in sys.argv[1:]]))
