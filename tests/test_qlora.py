@@ -3,6 +3,7 @@
 planned, and one short training run of that configuration with the tiny model substituted."""
 
 import json
+import math
 
 import pytest
 
@@ -92,7 +93,7 @@ def test_the_lan_configuration_trains_with_the_tiny_model(tmp_path):
     eval_rows = tmp_path / "eval.jsonl"
     eval_rows.write_text("".join(EVAL_FILE.read_text().splitlines(keepends=True)[:24]))
     cfg = load_config(LAN_CONFIG, {"model": None, "device": "cpu", "dtype": "auto", "quant_compute_dtype": "auto",
-                                   "seq_len": 128, "micro_batch_size": 2, "grad_accum": 2, "max_steps": 8,
+                                   "seq_len": 128, "micro_batch_size": 2, "grad_accum": 2, "epochs": 0.05,
                                    "lr": 1e-2, "warmup_steps": 1, "logging_steps": 1, "checkpoint_steps": 0,
                                    "eval_file": str(eval_rows), "save_model": False, "progress": False,
                                    "num_threads": 1, "output_dir": str(tmp_path / "run")})
@@ -109,3 +110,5 @@ def test_the_lan_configuration_trains_with_the_tiny_model(tmp_path):
     assert result.eval_loss_after < result.eval_loss_before - 0.05, (result.eval_loss_before, result.eval_loss_after)
     start = [json.loads(line) for line in result.log_path.read_text().splitlines() if '"start"' in line][0]
     assert start["config"]["quantization"] == "nf4" and start["steps_per_epoch"] > 0
+    # the configuration counts in epochs: a twentieth of one here, as optimizer steps
+    assert cfg.epochs == 0.05 and result.steps == start["config"]["max_steps"] == math.ceil(0.05 * start["steps_per_epoch"])

@@ -125,7 +125,7 @@ def test_force_continues_and_records_the_differing_fields(run_dir):
 
 def test_force_cannot_resume_past_max_steps(run_dir):
     message = _refused(run_dir, max_steps=3, resume="force")
-    assert "the checkpoint is at step 3 and max_steps is 3: nothing left to train" in message
+    assert "the checkpoint is at step 3 and the run has 3 steps: nothing left to train" in message
 
 
 def test_force_cannot_cross_a_world_layout(run_dir):
@@ -174,3 +174,25 @@ def test_the_runs_json_is_strict_even_when_the_loss_is_not_finite():
     assert strict_loads(strict_json(record, indent=2)) == {"final_loss": None, "eval_loss_after": None,
                                                            "losses": [1.0, None], "nested": {"x": [None, 2]},
                                                            "path": "a/b"}
+
+
+def test_epochs_decide_the_step_count_and_a_finished_epoch_run_has_nothing_left(tmp_path):
+    """epochs=2 over 16 rows at 4 rows a step: 2 x 4 steps, the second epoch a fresh permutation; max_steps is
+    not used (another value resumes as the same run). A run whose epochs end before its checkpoint is refused
+    once the data is read and the steps are known: nothing is left to train."""
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(TRAIN_FILE.read_text().splitlines(keepends=True)[:16]))
+    cfg = TrainConfig(**{**RUN, "max_steps": 3, "checkpoint_steps": 7, "micro_batch_size": 4}, epochs=2,
+                      train_file=str(rows), output_dir=str(tmp_path / "run"))
+    result = train(cfg)
+    steps = read_log(result.log_path)
+    assert result.steps == 8 and [r["epoch"] for r in steps] == [0] * 4 + [1] * 4
+    start = read_log(result.log_path, "start")[0]
+    assert start["steps_per_epoch"] == 4 and start["config"]["max_steps"] == 8 and start["config"]["epochs"] == 2
+    # the fingerprint leaves out max_steps, which epochs overrule: another max_steps is the same run
+    assert "max_steps" not in checkpoint.fingerprint(cfg, 1, 1, 1, 1)
+    resumed = train(cfg.replace(max_steps=50))
+    assert resumed.resumed_from == 7 and resumed.steps == 8
+    # one epoch is 4 steps, behind the checkpoint: refused once the data is read, even with resume=force
+    with pytest.raises(ResumeMismatch, match=r"checkpoint is at step 7 and the run has 4 steps: nothing left"):
+        train(cfg.replace(epochs=1, resume="force"))

@@ -73,6 +73,8 @@ def fingerprint(cfg: TrainConfig, world_size: int, data_parallel_size: int, pipe
     (micro batch x accumulation x data-parallel ranks: a global_batch_size and the grad_accum it implies are
     the same run) and the world layout."""
     values = {k: v for k, v in cfg.to_dict().items() if k not in NOT_IN_FINGERPRINT}
+    if cfg.epochs is not None:  # epochs decide the step count: max_steps is not used, whatever it says
+        values.pop("max_steps")
     values.update(_model_identity(cfg.model))
     values.update(train_data=file_digest(cfg.train_file), eval_data=file_digest(cfg.eval_file),
                   micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum,
@@ -85,10 +87,11 @@ def _step(path: Path) -> int:
     return int(path.name.split("-")[1])
 
 
-def check_resume(path: Path, current: dict[str, Any], max_steps: int, force: bool = False) -> list[str]:
+def check_resume(path: Path, current: dict[str, Any], max_steps: int | None, force: bool = False) -> list[str]:
     """Whether this run may resume checkpoint `path`: the fields its fingerprint differs in from `current`
     (empty: the same run). ResumeMismatch, one line, when any differ (unless `force`), when it records no
-    fingerprint (unless `force`), and always when the world layout differs or nothing is left to train."""
+    fingerprint (unless `force`), and always when the world layout differs or nothing is left to train
+    (`max_steps` None: not known yet, a run counted in epochs checks with check_steps_left once it is)."""
     output_dir, step = path.parent.parent, _step(path)
     again = "use a new output_dir, or --set resume=force to continue it anyway"
     try:
@@ -111,10 +114,17 @@ def check_resume(path: Path, current: dict[str, Any], max_steps: int, force: boo
                              + f", this run has {', '.join(f'{k} {current.get(k)}' for k in layout)}: its saved "
                              f"state and batch position are cut for that layout, even with resume=force; "
                              f"use a new output_dir")
-    if step >= max_steps:
-        raise ResumeMismatch(f"{output_dir}: the checkpoint is at step {step} and max_steps is {max_steps}: "
-                             f"nothing left to train; use a new output_dir, or a max_steps above {step}")
+    if max_steps is not None:
+        check_steps_left(path, max_steps)
     return differ
+
+
+def check_steps_left(path: Path, max_steps: int) -> None:
+    """ResumeMismatch, one line, when checkpoint `path` is already at or past the run's last step."""
+    output_dir, step = path.parent.parent, _step(path)
+    if step >= max_steps:
+        raise ResumeMismatch(f"{output_dir}: the checkpoint is at step {step} and the run has {max_steps} steps: "
+                             f"nothing left to train; use a new output_dir, or more steps (max_steps or epochs)")
 
 
 def _show(value: Any) -> str:

@@ -70,6 +70,10 @@ class TrainConfig:
     global_batch_size: int | None = None
     # optimisation
     max_steps: int = 100
+    # passes over the training rows. When set it decides the step count, ceil(epochs x steps per epoch), resolved
+    # once the data is read (steps per epoch depend on the rows, packing, batch and world size) and printed;
+    # max_steps is then not used (as global_batch_size wins over grad_accum).
+    epochs: float | None = None
     lr: float = 2e-4
     weight_decay: float = 0.01
     warmup_steps: int = 10
@@ -323,7 +327,7 @@ RULES = {
     "quantization": _one_of("none", "nf4", "int8"), "quant_compute_dtype": _one_of("auto", "fp32", "bf16", "fp16"),
     "optimizer": _one_of("adamw", "adamw_8bit", "paged_adamw_8bit"),
     "micro_batch_size": _at_least(1), "grad_accum": _at_least(1), "global_batch_size": _at_least(1),
-    "max_steps": _at_least(1), "lr": _positive(), "weight_decay": _at_least(0), "warmup_steps": _at_least(0),
+    "max_steps": _at_least(1), "epochs": _positive(), "lr": _positive(), "weight_decay": _at_least(0), "warmup_steps": _at_least(0),
     "max_grad_norm": _positive(), "seed": _at_least(0),
     "strategy": _one_of(*STRATEGY_NAMES),
     "device": (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N"),

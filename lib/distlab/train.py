@@ -11,6 +11,7 @@ is what lets later chapters assert that 1 and 2 ranks produce the same loss curv
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -78,6 +79,11 @@ def run_flops_per_token(cfg: TrainConfig, model_config, n_trainable: int, train_
     return model, executed
 
 
+def steps_for_epochs(epochs: float, steps_per_epoch: int) -> int:
+    """Optimizer steps for `epochs` passes: a started step runs whole (at least one step)."""
+    return max(1, math.ceil(epochs * steps_per_epoch - 1e-9))  # 3 x 1/3 of an epoch is 1 epoch, not 2 steps
+
+
 def _resume(path: Path | None, strategy, model, optimizer, scheduler, batches, log: StepLog,
             differ: list[str]) -> int:
     """Load checkpoint `path` (the newest complete one, already checked against this run), if any; its step."""
@@ -102,14 +108,21 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     run_fingerprint = checkpoint.fingerprint(cfg, strategy.world_size, strategy.data_parallel_size,
                                              getattr(strategy, "num_stages", 1), accum)
     resume_from = checkpoint.latest(out) if cfg.resume else None
-    differ = (checkpoint.check_resume(resume_from, run_fingerprint, cfg.max_steps, force=cfg.resume == "force")
-              if resume_from is not None else [])
+    differ = (checkpoint.check_resume(resume_from, run_fingerprint, None if cfg.epochs else cfg.max_steps,
+                                      force=cfg.resume == "force") if resume_from is not None else [])
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
     n_total, n_trainable = count_parameters(model)
-    model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
-    faults.install_slowdown(strategy.unwrap(model))  # chapter 05's emulated slow device; off by default
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)
+    if cfg.epochs is not None:  # before the schedule is built: the cosine decays over the run's steps
+        cfg = cfg.replace(max_steps=steps_for_epochs(cfg.epochs, batches.steps_per_epoch))
+        if resume_from is not None:
+            checkpoint.check_steps_left(resume_from, cfg.max_steps)
+        if strategy.is_main:
+            print(f"[distlab] {cfg.epochs:g} epochs of {batches.steps_per_epoch} steps: {cfg.max_steps} optimizer "
+                  f"steps (epochs decide the step count; max_steps is not used)", flush=True)
+    model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
+    faults.install_slowdown(strategy.unwrap(model))  # chapter 05's emulated slow device; off by default
     if strategy.is_main:
         checkpoint.clean_partial(out)
     strategy.barrier()
