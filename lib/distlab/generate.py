@@ -20,7 +20,7 @@ import torch
 
 from distlab import keyfacts
 from distlab.data import Conversation, load_prompts
-from distlab.models import load_model, load_tokenizer
+from distlab.models import load_model, load_tokenizer, quantization_config
 from distlab.paths import EVAL_FILE
 
 GENERATION_DEFAULTS = {"max_new_tokens": 96, "temperature": 0.2, "top_p": 0.9, "seed": 42}
@@ -160,13 +160,22 @@ def keyfact_accuracy(model, tokenizer, path: str | Path = EVAL_FILE, max_new_tok
     return score
 
 
-def adapter_keyfact_accuracy(adapter_dir: str | Path, model: str | Path | None = None, **kwargs) -> dict:
-    """keyfact_accuracy of a saved LoRA adapter on its base model (e.g. after a DDP run: the run's model/)."""
+def load_adapted(adapter_dir: str | Path, model: str | Path | None = None, quantization: str = "none",
+                 double_quant: bool = True):
+    """A saved LoRA adapter (a run's model/ folder) on its base model, ready to generate. On a full-precision
+    base the adapter is merged in: the same model, and generation skips the adapter's extra matmuls. On a
+    quantised base (`quantization` as the run trained it) it stays apart, as in training: merging it into
+    4-bit weights would round the learnt update onto the quantisation grid."""
     from peft import PeftModel  # deferred: peft is slow to import
 
-    # merged: the same model, and generation skips the adapter's extra matmuls
-    tuned = PeftModel.from_pretrained(load_model(model), str(adapter_dir)).merge_and_unload()
-    return keyfact_accuracy(tuned, load_tokenizer(model), **kwargs)
+    base = load_model(model, quantization=quantization_config(quantization, double_quant))
+    tuned = PeftModel.from_pretrained(base, str(adapter_dir))
+    return tuned if quantization != "none" else tuned.merge_and_unload()
+
+
+def adapter_keyfact_accuracy(adapter_dir: str | Path, model: str | Path | None = None, **kwargs) -> dict:
+    """keyfact_accuracy of a saved LoRA adapter on its base model (e.g. after a DDP run: the run's model/)."""
+    return keyfact_accuracy(load_adapted(adapter_dir, model), load_tokenizer(model), **kwargs)
 
 
 def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:

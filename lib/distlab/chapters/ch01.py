@@ -2,10 +2,10 @@
 
 The optimizer step drawn (draw_optimizer_step); the few-step run the hand-written loop is checked
 against (check_config, compare_losses); MFU beside HFU (throughput_table); the loss figure; key-fact
-accuracy on template and paraphrased questions as one table; the demo answers side by side; and a real
-optimizer step's memory, measured in the planner's terms so the two stand side by side. Measuring a run
-means building it, which is why this lives with the chapter and not in distlab.measure (which watches
-runs others build) or distlab.planning (torch-free arithmetic)."""
+accuracy on template and paraphrased questions as one table, and beside the 4-bit base's (quality_table);
+the demo answers side by side; and a real optimizer step's memory, measured in the planner's terms so the
+two stand side by side. Measuring a run means building it, which is why this lives with the chapter and not
+in distlab.measure (which watches runs others build) or distlab.planning (torch-free arithmetic)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ LADDER = {
     "+ 8-bit AdamW": {"quantization": "nf4", "optimizer": "adamw_8bit"},
     "+ checkpointing": {"quantization": "nf4", "optimizer": "adamw_8bit", "activation_checkpointing": True},
 }
+# The guide's two changes that can alter what is learnt; checkpointing recomputes the same numbers
+QLORA = LADDER["+ 8-bit AdamW"]
 PLANNER_OPTIMIZER = {"adamw": "adamw", "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
 
 
@@ -217,6 +219,16 @@ def keyfact_table(scores: dict[tuple[str, str], dict]) -> pd.DataFrame:
     columns = ["questions", "facts asked", "found before", "accuracy before", "found after", "accuracy after"]
     table = pd.DataFrame.from_dict(rows, orient="index").rename_axis("question set")
     return table[[c for c in columns if c in table]]  # before training, there is no "after" yet
+
+
+def quality_table(runs: dict[str, tuple[Any, dict, dict]]) -> pd.DataFrame:
+    """{run name: (TrainResult, key-fact score on the template questions, on the paraphrases)} as one row
+    per run: held-out loss before and after training, and key-fact accuracy on both question sets."""
+    return pd.DataFrame({name: {"held-out loss before": result.eval_loss_before,
+                                "held-out loss after": result.eval_loss_after,
+                                "accuracy, template questions": templates["accuracy"],
+                                "accuracy, paraphrases": paraphrases["accuracy"]}
+                         for name, (result, templates, paraphrases) in runs.items()}).T.rename_axis("run")
 
 
 def demo_table(before: list[dict], after: list[dict], prompt_file) -> pd.DataFrame:
