@@ -188,21 +188,28 @@ def test_the_notebook_scripts_match_one_device_under_torchrun(tmp_path):
     assert vocab["model"]["loss"] < 1e-6 and vocab["model"]["embedding_grad"] < 1e-5 and vocab["model"]["tied"]
 
 
+LORA = {"lora": True, "lora_dropout": 0.0}
+
+
 @pytest.mark.slow
 def test_tp_training_has_the_loss_of_one_device(tmp_path):
-    """tp and tp + sequence parallelism in one launch (one interpreter start), both against one device."""
+    """tp, tp + sequence parallelism (full fine-tuning and LoRA) and tp + vocabulary parallelism in one launch
+    (one interpreter start), each against one device."""
     common = {"lora": False, "max_steps": 3, "micro_batch_size": 2, "grad_accum": 1, "seq_len": 128, "lr": 1e-3,
               "logging_steps": 1, "eval_at_start": False, "eval_at_end": False, "save_model": False}
-    single = local.launch_training("t07_single", 1, {**common, "strategy": "single"}, runs_dir=tmp_path,
-                                   scripts_dir=tmp_path, echo=False)
+    single = local.launch_sweep("t07_single_runs", 1, {**common, "strategy": "single"},
+                                {"t07_single": {}, "t07_single_lora": LORA}, runs_dir=tmp_path, scripts_dir=tmp_path,
+                                echo=False)
     runs = local.launch_sweep("t07_tp_runs", 2, {**common, "strategy": "tp"},
                               {"t07_tp": {"save_model": True}, "t07_tp_sp": {"sequence_parallel": True},
+                               "t07_tp_sp_lora": {**LORA, "sequence_parallel": True},
                                "t07_tp_vocab": {"vocab_parallel": True, "measure_state": True, "eval_at_end": True}},
                               runs_dir=tmp_path, scripts_dir=tmp_path, echo=False)
     tp = runs["t07_tp"]
-    for job in runs.values():
-        losses = ch07.loss_comparison(single.log, job.log)
-        assert len(losses) == 3 and losses["difference"].max() < 1e-5
+    for name, job in runs.items():
+        reference = single["t07_single_lora" if name.endswith("lora") else "t07_single"]
+        losses = ch07.loss_comparison(reference.log, job.log)
+        assert len(losses) == 3 and losses["difference"].max() < 1e-5, name
     # the vocabulary split: each rank holds half the embedding (tied to the head) and its moments, as planned
     config = load_model(None).config
     vocab_run = extract.collect_sweep(tmp_path / "t07_tp_runs", 2)["t07_tp_vocab"]
@@ -265,9 +272,40 @@ def test_sequence_parallel_is_a_tensor_parallel_setting():
         LaunchSpec(nproc_per_node=2, strategy="fsdp", sequence_parallel=True)
     assert local.training_spec("t", 2, {"strategy": "tp", "sequence_parallel": True}, local.TINY_CONFIG, 0, None, 60,
                                paths.RUNS_DIR).sequence_parallel
-    with pytest.raises(ValueError, match="sequence_parallel with LoRA"):
-        TPStrategy().setup(TrainConfig(strategy="tp", lora=True, sequence_parallel=True))
-    assert not dist.is_initialized()
+
+
+def test_under_lora_and_sequence_parallelism_the_factors_that_meet_dtensors_are_replicated():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from distlab.prepare import apply_lora
+    from distlab.strategies.tp import ReplicateParallel, layer_plan
+
+    layer = apply_lora(load_model(None), TrainConfig(lora=True)).base_model.model.model.layers[0]
+    plan = layer_plan(layer, sequence_parallel=True)
+    q, o = "self_attn.q_proj", "self_attn.o_proj"
+    assert isinstance(plan[f"{q}.lora_B.default"], ColwiseParallel) and isinstance(plan[f"{q}.lora_A.default"],
+                                                                                   ReplicateParallel)
+    # the row-parallel side: base and lora_A reduce-scatter to token slices, lora_B whole maps them, a plain tensor out
+    assert plan[f"{o}.base_layer"].output_layouts == plan[f"{o}.lora_A.default"].output_layouts == (Shard(1),)
+    assert isinstance(plan[f"{o}.lora_A.default"], RowwiseParallel) and plan[f"{o}.lora_B.default"].local_output
+    assert o not in plan, "the wrapper itself is not a Linear: its base layer and factors are split"
+
+
+@pytest.mark.slow
+def test_fsdp_tp_with_sequence_parallelism_and_lora_has_the_loss_of_one_device(tmp_path):
+    """The 2-D layout (2 x 2, four ranks oversubscribed on two cores) with sequence parallelism and LoRA: the
+    frozen norms stay frozen (torch's SequenceParallel re-registers their weights as trainable) and the loss is
+    one device's."""
+    common = {**LORA, "max_steps": 2, "micro_batch_size": 2, "global_batch_size": 4, "seq_len": 128, "lr": 1e-3,
+              "logging_steps": 1, "eval_at_start": False, "eval_at_end": False, "save_model": False}
+    single = local.launch_training("t07_single_lora4", 1, {**common, "strategy": "single"}, runs_dir=tmp_path,
+                                   scripts_dir=tmp_path, echo=False)
+    two_d = local.launch_training("t07_fsdp_tp_sp_lora", 4, {**common, "strategy": "fsdp_tp", "tp_size": 2,
+                                                              "sequence_parallel": True},
+                                  runs_dir=tmp_path, scripts_dir=tmp_path, echo=False)
+    losses = ch07.loss_comparison(single.log, two_d.log)
+    assert len(losses) == 2 and losses["difference"].max() < 1e-5  # trained norms would differ from step 2
 
 
 def test_the_sequence_parallel_plan_shards_the_norms_and_regathers_before_each_block():

@@ -390,7 +390,8 @@ def tp_sliced(name: str) -> bool:
 
 def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Tensor parallelism: every decoder layer's projections (and the q/k/v biases, and one LoRA factor of each
-    adapted projection: `tp_sliced`) cut in `world` slices; embedding, norms and LM head whole on every rank.
+    adapted projection: `tp_sliced`) cut in `world` slices; the norms whole on every rank, and the embedding and LM
+    head too unless `vocab_parallel` cuts them by vocabulary rows.
     Activations: the layer inputs and outputs whole, the per-head and FFN-width ones sliced."""
     def held(p):
         sliced = tp_sliced(p.name) or (s.vocab_parallel and p.name in VOCAB_TENSORS)

@@ -6,8 +6,9 @@ What changes against one device: a 1-D device mesh of all ranks and, per decoder
 rank keeps a block of output features: whole attention heads, a block of the FFN width), o and down are
 `RowwiseParallel` (the matching block of input features): no communication between the two matmuls of a
 block, one all-reduce of the block's output in forward, and the mirror all-reduce of the block's input
-gradient in backward. The embedding, the norms and the LM head stay whole on every rank; they receive
-the same (already summed) gradients everywhere, so their updates stay identical without communication.
+gradient in backward. The embedding, the norms and the LM head stay whole on every rank (unless
+`vocab_parallel`, below); they receive the same (already summed) gradients everywhere, so their updates stay
+identical without communication.
 
 Sequence parallelism (`sequence_parallel`, Megatron's sequence parallelism, Korthikanti et al. 2022): between
 the blocks each rank keeps only its slice of the sequence (`Shard(1)` of batch x sequence x hidden), so the
@@ -22,7 +23,8 @@ gate/up) as one DTensor, so the backward sums their partial input gradients firs
 once per block. The embedding output is cut at the first layer's input (no communication; its gradient is
 all-gathered in backward), the final norm's output is all-gathered for the LM head and the loss. The norms'
 weights see only this rank's tokens: their gradients are partial sums, all-reduced once per step
-(`sum_partial_gradients`). Not with LoRA yet (the gathered DTensor would reach the adapters' whole factors).
+(`sum_partial_gradients`). Under LoRA the adapters follow their projections (`layer_plan`), the whole factors
+that meet these DTensors as replicated DTensors (`ReplicateParallel`).
 
 The vocabulary (`vocab_parallel`, Megatron's vocabulary-parallel embedding and cross entropy): the embedding
 is cut by rows (`RowwiseParallel`: a rank looks up the tokens of its V / tp rows, zeros for the others, and an
@@ -49,9 +51,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -80,38 +83,66 @@ def check_tp_degree(config, tp: int) -> None:
         raise ValueError(problem)
 
 
+class ReplicateParallel(ParallelStyle):
+    """A module's weights whole on every rank, as replicated DTensors: for an adapter factor that meets DTensor
+    activations under sequence parallelism (a plain tensor cannot multiply a DTensor). Its gradient then comes
+    back as a partial sum where the activations were split, which `sum_partial_gradients` adds up.
+    `local_output`: hand the next module a plain tensor (this rank's part) instead of the DTensor."""
+
+    def __init__(self, local_output: bool = False):
+        super().__init__()
+        self.local_output = local_output
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        to_local = (lambda _module, output, _mesh: output.to_local()) if self.local_output else None
+        return distribute_module(module, device_mesh, output_fn=to_local)
+
+
 def layer_plan(layer: torch.nn.Module, sequence_parallel: bool = False) -> dict:
     """LAYER_PLAN for one decoder layer. A projection LoRA wraps (PEFT's lora.Linear) is split through its
     frozen `base_layer`, and its adapter so that it adds to the same slice: a column-parallel projection's
     lora_B is column-parallel (its lora_A, whole, sees the whole input), a row-parallel one's lora_A is
     row-parallel (it reads this rank's input features; its r outputs are summed, and lora_B, whole, maps
-    them to the whole output)."""
+    them to the whole output). With sequence parallelism a row-parallel projection reduce-scatters its output
+    to token slices instead, and so does its lora_A (r values a token); the whole factors that then meet
+    DTensors (a column-parallel lora_A reads the gathered input, a row-parallel lora_B this rank's tokens)
+    become replicated DTensors."""
     modules = dict(layer.named_modules())
+    tokens = Shard(1)
     plan = {}
     for name, style in LAYER_PLAN.items():
+        rowwise = style is RowwiseParallel
+        split = RowwiseParallel(output_layouts=tokens) if sequence_parallel and rowwise else style()
         if f"{name}.base_layer" not in modules:
-            plan[name] = style()
+            plan[name] = split
             continue
-        factor = "lora_B" if style is ColwiseParallel else "lora_A"
-        plan[f"{name}.base_layer"] = style()
-        for adapter in modules[f"{name}.{factor}"]:  # a ModuleDict: one Linear per adapter name
-            plan[f"{name}.{factor}.{adapter}"] = style()
+        plan[f"{name}.base_layer"] = split
+        for adapter in modules[f"{name}.lora_A"]:  # a ModuleDict: one Linear per adapter name
+            lora_a, lora_b = f"{name}.lora_A.{adapter}", f"{name}.lora_B.{adapter}"
+            if not rowwise:
+                plan[lora_b] = ColwiseParallel()
+                if sequence_parallel:
+                    plan[lora_a] = ReplicateParallel()
+            elif sequence_parallel:
+                plan[lora_a] = RowwiseParallel(output_layouts=tokens, use_local_output=False)
+                plan[lora_b] = ReplicateParallel(local_output=True)
+            else:
+                plan[lora_a] = RowwiseParallel()
     if sequence_parallel:
         plan.update(sequence_parallel_plan())
     return plan
 
 
 def sequence_parallel_plan() -> dict:
-    """What sequence parallelism changes in a decoder layer's plan: the norms work on this rank's tokens, each
+    """What sequence parallelism adds to a decoder layer's plan: the norms work on this rank's tokens, and each
     block gathers the whole sequence once at its input (a DTensor, so q/k/v share one gather and, backward, one
-    reduce-scatter of their summed input gradients) and reduce-scatters its output back to token slices."""
+    reduce-scatter of their summed input gradients). (Its row-parallel projections reduce-scatter their output
+    back to token slices: `layer_plan`.)"""
     tokens, whole = Shard(1), Replicate()
     return {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
                                             desired_input_kwarg_layouts={"hidden_states": whole}),
-            "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,)),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=tokens),
-            "mlp.down_proj": RowwiseParallel(output_layouts=tokens)}
+            "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,))}
 
 
 def vocab_plan(model: torch.nn.Module, mesh) -> None:
@@ -132,6 +163,9 @@ def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False,
     `sequence_parallel`, also the activations between blocks along the sequence; with `vocab_parallel`, the
     embedding and the LM head along the vocabulary (the loss then runs under loss_parallel())."""
     check_tp_degree(model.causal_lm.config, mesh.size())
+    # SequenceParallel re-registers a norm's weight as a new Parameter without its requires_grad (torch 2.13):
+    # a frozen norm (under LoRA) would start training. Every parameter keeps its flag (restored below).
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     layers = decoder_layers(model)
     for layer in layers:
         parallelize_module(layer, mesh, layer_plan(layer, sequence_parallel))
@@ -146,6 +180,8 @@ def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False,
         parallelize_module(norm, mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()))
     if vocab_parallel:
         vocab_plan(model, mesh)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable[name])
 
 
 class TPStrategy(DistributedStrategy):
@@ -169,9 +205,6 @@ class TPStrategy(DistributedStrategy):
     def refuse_what_tp_cannot_do(name: str, cfg) -> None:
         if cfg.checkpoint_steps:
             raise ValueError(f"strategy {name!r} writes no periodic checkpoints yet: set checkpoint_steps=0")
-        if cfg.sequence_parallel and cfg.lora:
-            raise ValueError(f"strategy {name!r}: sequence_parallel with LoRA is not supported yet (the gathered "
-                             "input reaches the adapters as a DTensor): set lora=false or sequence_parallel=false")
 
     def setup(self, cfg) -> None:
         self.refuse_what_tp_cannot_do(self.name, cfg)
