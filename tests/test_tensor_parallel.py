@@ -334,16 +334,22 @@ def test_the_step_formulas_follow_the_layout():
     sp = step_bytes_sent(config, "tp", 2, rows=4, seq_len=256, sequence_parallel=True)
     assert tp["activations (all-reduce)"] == 7 * layers * act, "2 forward + 5 backward all-reduces a layer"
     assert sp["activations (all-gather, reduce-scatter)"] == (4 * layers + 1) * act, "Megatron's 4 a layer, +2 passes"
+    vocab = step_bytes_sent(config, "tp", 2, rows=4, seq_len=256, vocab_parallel=True, label_tokens=100)
+    assert vocab["embedding output (all-reduce)"] == act and vocab["loss statistics (all-reduce)"] == 3 * 100 * 4
+    assert vocab["LM head input gradient (all-reduce)"] == 100 * config.hidden_size * 4
+    with pytest.raises(ValueError, match="label_tokens"):
+        step_bytes_sent(config, "tp", 2, rows=4, seq_len=256, vocab_parallel=True)
     with pytest.raises(ValueError, match="knows ddp, fsdp and tp"):
         step_bytes_sent(config, "zero3", 2, rows=4, seq_len=256)
 
 
 @pytest.mark.slow
 def test_each_strategy_sends_what_its_formula_says():
-    """One counting launch: ddp, fsdp, tp and tp + sequence parallelism, one step each on the same batch."""
+    """One counting launch: ddp, fsdp, tp, tp + sequence parallelism and tp + the vocabulary split, one step each on
+    the same batch."""
     measured = ch07.measure_step_bytes(rows=2, seq_len=64, timeout_s=300)
     table = ch07.step_bytes_table(measured, load_model(None).config)
     assert (table["measured / formula"] - 1).abs().max() < 1e-9, table
-    assert (table["step loss"] - table.loc["ddp", "step loss"]).abs().max() < 1e-5, "the same step, four splits"
+    assert (table["step loss"] - table.loc["ddp", "step loss"]).abs().max() < 1e-5, "the same step, five splits"
     sp_calls = {op for op, _, _ in measured["runs"]["tp + sequence parallel"]["calls"]}
     assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= sp_calls

@@ -32,7 +32,7 @@ from distlab.provenance import save_figure
 from distlab.results import schema
 from distlab.results.extract import collect_run, collect_sweep
 from distlab.workers import launcher
-from distlab.workers.step_bytes import RUNS as STEP_BYTES_RUNS  # {name: (strategy, sequence_parallel)}
+from distlab.workers.step_bytes import RUNS as STEP_BYTES_RUNS  # {name: TrainConfig fields}
 
 RANK_COLORS = ("C0", "C1")
 
@@ -276,9 +276,10 @@ def tp_state_against_plan(config) -> pd.DataFrame:
 # ---------------------------------------------------------------- sequence parallelism, and what each strategy sends
 
 def measure_step_bytes(rows: int, seq_len: int, timeout_s: int = 300) -> dict:
-    """One optimizer step of the same full fine-tuning of the tiny model as ddp, fsdp, tp and tp with sequence
-    parallelism, on two ranks on CPU (gloo), from the same weights on the same `rows` x `seq_len` batch, each
-    step's collectives counted (distlab.workers.step_bytes; a counting run: nothing is timed)."""
+    """One optimizer step of the same full fine-tuning of the tiny model as ddp, fsdp, tp, tp with sequence
+    parallelism and tp with the vocabulary split, on two ranks on CPU (gloo), from the same weights on the same
+    `rows` x `seq_len` batch, each step's collectives counted (distlab.workers.step_bytes; a counting run:
+    nothing is timed)."""
     out = folders(None)[1] / "step_bytes.json"
     args = ["--rows", str(rows), "--set", f"seq_len={seq_len}", "--set", "device=cpu", "--set", "dtype=fp32"]
     launcher.run_worker("distlab.workers.step_bytes", out, args, torchrun_flags(2), timeout_s=timeout_s, echo=False)
@@ -290,12 +291,15 @@ def measure_step_bytes(rows: int, seq_len: int, timeout_s: int = 300) -> dict:
 
 def step_bytes_table(measured: Mapping, config) -> pd.DataFrame:
     """Per strategy, the MiB one rank sends in the step: the formula (distlab.planning.advice.step_bytes_sent,
-    part by part) beside the counted collectives, their ratio, and the step's loss (the same for all four)."""
+    part by part) beside the counted collectives, their ratio, and the step's loss (the same for all)."""
     k, rows, seq = measured["world_size"], measured["rows"], measured["seq_len"]
     table = {}
-    for name, (strategy, sequence_parallel) in STEP_BYTES_RUNS.items():
+    for name, settings in STEP_BYTES_RUNS.items():
         run = measured["runs"][name]
-        parts = step_bytes_sent(config, strategy, k, rows=rows, seq_len=seq, sequence_parallel=sequence_parallel)
+        parts = step_bytes_sent(config, settings["strategy"], k, rows=rows, seq_len=seq,
+                                sequence_parallel=settings.get("sequence_parallel", False),
+                                vocab_parallel=settings.get("vocab_parallel", False),
+                                label_tokens=measured["label_tokens"])
         table[name] = {"formula MiB": sum(parts.values()) / 2**20, "measured MiB": run["sent_bytes"] / 2**20,
                        "largest part (formula)": max(parts, key=parts.get), "step loss": run["loss"]}
     table = pd.DataFrame(table).T

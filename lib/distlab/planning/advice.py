@@ -67,15 +67,18 @@ def communication_bytes(config, strategy: str, world_size: int, *, lora_r: int |
 
 
 SCALAR_BYTES = 8  # tp's gradient norm: one float64 all-reduced per step (strategies.tp.global_grad_norm)
+LOSS_STATISTIC_BYTES = 4  # vocab_parallel's per-token loss statistics: fp32 (the loss casts its logits to fp32)
 
 
 def step_bytes_sent(config, strategy: str, world_size: int, *, rows: int, seq_len: int, value_bytes: float = 4,
-                    sequence_parallel: bool = False) -> dict[str, float]:
+                    sequence_parallel: bool = False, vocab_parallel: bool = False,
+                    label_tokens: int | None = None) -> dict[str, float]:
     """Bytes one rank sends in one optimizer step of full fine-tuning, as distlab's strategies run it, by
     part: `rows` x `seq_len` tokens per step in all (ddp and fsdp give each rank rows / world of them, tp
     gives every rank all of them), one micro-batch, weights, gradients and activations of `value_bytes`
     each (fp32 on CPU). On a ring a rank sends (k-1)/k of a buffer per pass: an all-gather or a
-    reduce-scatter is one pass, an all-reduce two (a reduce-scatter then an all-gather)."""
+    reduce-scatter is one pass, an all-reduce two (a reduce-scatter then an all-gather). tp with
+    `vocab_parallel` adds the vocabulary split's all-reduces, which depend on the step's `label_tokens`."""
     k = world_size
     ring = (k - 1) / k
     layout = parameter_layout(config)
@@ -95,16 +98,26 @@ def step_bytes_sent(config, strategy: str, world_size: int, *, rows: int, seq_le
         raise ValueError(f"step_bytes_sent knows ddp, fsdp and tp, not {strategy!r}")
     activation = rows * seq_len * hidden * value_bytes  # one b x s x h tensor: every rank holds every row
     norm_grad = {"gradient norm (all-reduce)": 2 * ring * SCALAR_BYTES}
+    vocab = {}
+    if vocab_parallel:
+        if label_tokens is None:
+            raise ValueError("step_bytes_sent: vocab_parallel needs the step's label_tokens")
+        # the embedding's partial lookups summed (forward); the loss's 3 fp32 values per label token (largest
+        # logit, sum of exponentials, target logit); the head's input gradient at the label tokens (backward)
+        vocab = {"embedding output (all-reduce)": 2 * ring * activation,
+                 "loss statistics (all-reduce)": 2 * ring * 3 * label_tokens * LOSS_STATISTIC_BYTES,
+                 "LM head input gradient (all-reduce)": 2 * ring * label_tokens * hidden * value_bytes}
     if not sequence_parallel:
         # forward: each row-parallel projection's partial sums; backward: each column-parallel projection's
         # input gradient, summed on its own (q, k, v and gate, up are separate modules: 5, not Megatron's fused 2)
         forward, backward = len(TP_ROWWISE), len(TP_SPLIT) - len(TP_ROWWISE)
-        return {"activations (all-reduce)": 2 * ring * (forward + backward) * layers * activation, **norm_grad}
+        return {"activations (all-reduce)": 2 * ring * (forward + backward) * layers * activation, **vocab,
+                **norm_grad}
     # per block: all-gather in, reduce-scatter out, and their mirrors in backward (the block's inputs summed once):
     # 8 single passes per layer, the bytes of 4 all-reduces. Once per step: the final norm's output gathered for
     # the head, and the first layer's input gradient gathered for the embedding. The norms' weights see only
     # this rank's tokens, so their gradients (2 per layer and the final norm, `hidden` values) are all-reduced.
-    return {"activations (all-gather, reduce-scatter)": ring * (8 * layers + 2) * activation,
+    return {"activations (all-gather, reduce-scatter)": ring * (8 * layers + 2) * activation, **vocab,
             "norm weight gradients (all-reduce)": 2 * ring * (2 * layers + 1) * hidden * value_bytes, **norm_grad}
 
 

@@ -1,14 +1,15 @@
-"""The bytes one rank sends in one optimizer step of the same full fine-tuning run as ddp, fsdp, tp and tp with
-sequence parallelism (chapter 07), each counted by an instrument that sees its collectives, with the step's loss.
+"""The bytes one rank sends in one optimizer step of the same full fine-tuning run as ddp, fsdp, tp, tp with
+sequence parallelism and tp with the vocabulary split (chapter 07), each counted by an instrument that sees its
+collectives, with the step's loss.
 
     torchrun --nproc-per-node 2 -m distlab.workers.step_bytes --out bytes.json --rows 4 --set seq_len=256
 
-The four run one after the other in the same ranks, each from the same initial weights on the same global
+The five run one after the other in the same ranks, each from the same initial weights on the same global
 batch (the first `--rows` rows of the training data): ddp and fsdp give each rank rows / k of them, tp every
 rank all of them. ddp's and fsdp's collectives are counted by the training loop's meter (`measure_comm`: DDP's
 comm hook, and FSDP2's all-gathers and reduce-scatters through torch.distributed), DTensor's by a dispatch
 mode (distlab.measure.collectives), which sees the functional collectives torch.distributed never issues.
-Counting is its own run: nothing here is timed. Rank 0 writes {"world_size", "rows", "seq_len",
+Counting is its own run: nothing here is timed. Rank 0 writes {"world_size", "rows", "seq_len", "label_tokens",
 "runs": {name: {"loss", "sent_bytes", "counted_by", "calls"}}}.
 """
 
@@ -35,7 +36,9 @@ from distlab.prepare import seed_everything
 from distlab.strategies import make_strategy
 from distlab.workers import write_result
 
-RUNS = {"ddp": ("ddp", False), "fsdp": ("fsdp", False), "tp": ("tp", False), "tp + sequence parallel": ("tp", True)}
+RUNS = {"ddp": {"strategy": "ddp"}, "fsdp": {"strategy": "fsdp"}, "tp": {"strategy": "tp"},
+        "tp + sequence parallel": {"strategy": "tp", "sequence_parallel": True},
+        "tp + vocabulary parallel": {"strategy": "tp", "vocab_parallel": True}}  # {name: TrainConfig fields}
 RING = {"ddp": 2, "fsdp": 1}  # the meter's buffers: DDP's all-reduced buckets (2 passes), FSDP's gathers and scatters
 
 
@@ -88,12 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         train_data = build_sft_data(cfg.train_file, load_tokenizer(cfg.model), cfg.seq_len, cfg.packing, cfg.overlong)
         rows = list(range(args.rows))
         runs = {}
-        for name, (strategy, sp) in RUNS.items():
-            run_cfg = cfg.replace(strategy=strategy, sequence_parallel=sp, measure_comm=strategy != "tp")
+        for name, settings in RUNS.items():
+            run_cfg = cfg.replace(**settings, measure_comm=settings["strategy"] != "tp")
             runs[name] = one_step(run_cfg, rows, train_data)
         if dist.get_rank() == 0:
             write_result(args.out, {"world_size": dist.get_world_size(), "rows": args.rows, "seq_len": cfg.seq_len,
-                                    "runs": runs})
+                                    "label_tokens": train_data.batch(rows)["n_label_tokens"], "runs": runs})
         dist.barrier()  # nobody exits (and tears down the store) before rank 0 is done
     finally:
         dist.destroy_process_group()
