@@ -1,6 +1,7 @@
 """FSDP2 and DeepSpeed ZeRO-2/3 under real torchrun (gloo, 2 ranks), LoRA and full fine-tuning.
 
-One short run per strategy and mode (shared by every test here, module-scoped): the loss curve and
+One short run per strategy and mode, LoRA and full in one launch per strategy (shared by every test here,
+module-scoped): the loss curve and
 the held-out loss of each sharded strategy match DDP's for the same seed and global batch; every rank prints its
 result between markers and the collector reads them back from the console log; the bytes of
 weights, gradients and optimizer state each rank really owns match the planner (distlab.planning.memory)
@@ -16,7 +17,7 @@ import json
 import pytest
 
 from distlab.config import LORA_TARGETS
-from distlab.launch.local import launch_training
+from distlab.launch.local import launch_sweep, launch_training
 from distlab.metrics import read_log
 from distlab.planning import memory
 from distlab.results import benchmark_report, extract, recorder
@@ -43,11 +44,20 @@ def runs(tmp_path_factory):
     out = {}
     # one device: LoRA only (its full fine-tuning state is DDP's, which the planner checks anyway)
     out[("single", "lora")] = launch_training("single_lora", 1, overrides("single", "lora"), runs_dir=root, echo=False)
-    for mode in MODES:
-        for strategy in STRATEGIES:
-            out[(strategy, mode)] = launch_training(f"{strategy}_{mode}", 2, overrides(strategy, mode), runs_dir=root,
-                                                    echo=False)
+    for strategy in STRATEGIES:  # LoRA then full fine-tuning in one launch per strategy (one interpreter start)
+        jobs = launch_sweep(f"{strategy}_runs", 2, {**COMMON, "strategy": strategy},
+                            {f"{strategy}_{mode}": {"lora": mode == "lora"} for mode in MODES}, runs_dir=root,
+                            echo=False)
+        out.update({(strategy, mode): jobs[f"{strategy}_{mode}"] for mode in MODES})
     return root, out
+
+
+def results(runs, strategy: str, mode: str) -> dict:
+    """{rank: result record} of one run, from its console log (the one-device run's own, a sweep's shared one)."""
+    root, jobs = runs
+    if strategy == "single":
+        return extract.collect_run(jobs[(strategy, mode)].output_dir, expected_ranks=1)
+    return extract.collect_sweep(root / f"{strategy}_runs", 2)[f"{strategy}_{mode}"]
 
 
 def losses(job) -> list[float]:
@@ -79,16 +89,16 @@ def test_every_rank_reports_between_markers(runs):
     _, jobs = runs
     for (strategy, mode), job in jobs.items():
         world = 1 if strategy == "single" else 2
-        results = extract.collect_run(job.output_dir, expected_ranks=world)
-        assert extract.collect_run(job.output_dir, expected_ranks=world, source="ranks") == results
-        for rank, rec in results.items():
+        records = results(runs, strategy, mode)
+        assert sorted(records) == list(range(world))
+        for rank, rec in records.items():
             assert rec["schema"] == recorder.SCHEMA and rec["strategy"] == strategy and rec["mode"] == mode
             assert rec["rank"] == rank and rec["world_size"] == world and rec["global_batch_size"] == 8
             assert rec["loss"] == pytest.approx(losses(job), rel=1e-12)
             assert rec["rank_summary"]["tokens_per_s"] > 0 and rec["peak_mem_bytes"] > 0
             if world > 1:
                 assert rec["rank_summary"]["comm_share"] > 0, (strategy, mode)
-    df = benchmark_report.aggregate(extract.collect_run(job.output_dir) for job in jobs.values())
+    df = benchmark_report.aggregate(results(runs, *key) for key in jobs)
     assert len(df) == len(jobs)
     assert df[df["mode"] == "lora"]["scaling_efficiency"].notna().all()  # against the 1-rank LoRA run
 
@@ -106,10 +116,9 @@ def test_deepspeed_config_is_computed_and_written(runs):
 @pytest.mark.parametrize("strategy,mode", [("single", "lora")] + [(s, m) for m in MODES for s in STRATEGIES])
 def test_owned_state_bytes_match_the_planner(runs, strategy, mode, tiny_model):
     """Per rank, per component: weights, adapters, gradients, optimizer state within 5%."""
-    _, jobs = runs
     world = 1 if strategy == "single" else 2
-    results = extract.collect_run(jobs[(strategy, mode)].output_dir, expected_ranks=world)
-    for rank, rec in results.items():
+    records = results(runs, strategy, mode)
+    for rank, rec in records.items():
         measured = rec["state_bytes"]
         plan = memory.plan_memory(tiny_model.config, strategy=strategy, world_size=world, rank=rank,
                                   lora_r=16 if mode == "lora" else None, lora_targets=LORA_TARGETS)
@@ -118,11 +127,11 @@ def test_owned_state_bytes_match_the_planner(runs, strategy, mode, tiny_model):
             predicted = getattr(plan, part)
             assert measured[part] == pytest.approx(predicted, rel=STATE_RTOL, abs=1), (strategy, mode, rank, part)
     if strategy not in ("single", "ddp"):  # DDP replicates everything; each sharded strategy holds less
-        replicated = extract.collect_run(jobs[("ddp", mode)].output_dir)[0]["state_bytes"]
+        replicated = results(runs, "ddp", mode)[0]["state_bytes"]
         def total(b):
             return sum(b[k] for k in ("weights", "adapter_weights", "gradients", "optimizer_state"))
 
-        for rec in results.values():
+        for rec in records.values():
             assert total(rec["state_bytes"]) < total(replicated), strategy
 
 
