@@ -248,6 +248,18 @@ def test_plot_utilization_marks_spans_and_events(tmp_path):
     assert (tmp_path / "u.png.provenance.json").exists()
 
 
+def test_events_alone_are_labelled_across_a_short_strip(tmp_path):
+    """Without phases nothing needs upright labels: a short strip, the event lines drawn through it, labels
+    beside them in alternating rows."""
+    events = [(0.6, "rank 1 killed"), (1.2, "resumed (step 4)")]
+    fig = utilisation.plot_utilization(_timeline_csv(tmp_path / "util.csv"), tmp_path / "u.png", STAMP, events=events)
+    strip, util = fig.axes[:2]
+    assert [t.get_text().strip() for t in strip.texts] == [e[1] for e in events]
+    assert all(t.get_rotation() == 0 for t in strip.texts) and len({t.get_position()[1] for t in strip.texts}) == 2
+    assert len(strip.lines) == len(util.lines) - 2 == 2  # two processes' lines below, the events' in both
+    assert strip.get_position().height < 0.2 * util.get_position().height
+
+
 def test_plot_utilization_without_marks_keeps_two_plots(tmp_path):
     fig = utilisation.plot_utilization(_timeline_csv(tmp_path / "util.csv"), tmp_path / "u.png", STAMP)
     assert len(fig.axes) == 2

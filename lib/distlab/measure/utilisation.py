@@ -304,7 +304,9 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
     if min_mib:
         df = df[df.groupby(["source", "id"])["mem_mib"].transform("max") > min_mib]
     labels = [s[2] for s in spans] + [e[1] for e in events]
-    strip_in = 0.3 + 0.075 * max((len(text) for text in labels), default=0)  # upright labels: their length
+    # upright labels need the strip as tall as the longest one; events alone (no phases) are labelled across
+    # a short strip instead, in two alternating rows
+    strip_in = 0.45 if not spans else 0.3 + 0.075 * max((len(text) for text in labels), default=0)
     fig = Figure(figsize=(7, 5 + (strip_in if labels else 0)))
     if labels:
         ax_strip, ax_util, ax_mem = fig.subplots(3, 1, sharex=True, height_ratios=[strip_in, 2.5, 2.5])
@@ -337,8 +339,17 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
             ax.axvline(t, color="crimson", ls="--", lw=1)
         marks.append((t, text, "crimson"))
     fig.tight_layout()
-    if marks:
+    if spans:
         _label_strip(fig, ax_strip, marks)
+    elif events:
+        ax_strip.set_yticks([])
+        ax_strip.set_ylim(0, 1)
+        lo, hi = ax_strip.get_xlim()
+        for i, (t, text) in enumerate(sorted(events)):
+            ax_strip.axvline(t, color="crimson", ls="--", lw=1)
+            right = t > lo + 0.75 * (hi - lo)  # near the right edge the label stands left of its line
+            ax_strip.text(t, 0.7 if i % 2 == 0 else 0.25, f"{text} " if right else f" {text}",
+                          ha="right" if right else "left", va="center", fontsize=7, color="crimson")
     save_figure(fig, out_png, dict(provenance))
     return fig
 

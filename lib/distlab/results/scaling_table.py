@@ -113,8 +113,8 @@ def save_scaling(df: pd.DataFrame, figures_dir: str | Path, provenance: dict, pr
     top = df["tokens_per_s_max"] if spread else df["tokens_per_s"]
     ax1.set(xlabel="world size (ranks)", ylabel="tokens/s (all ranks)", ylim=(0, float(top.max()) * 1.18),
             title="throughput" + (f" (median of {int(df['rounds'].min())} rounds, min-max)" if spread else ""))
-    for x, (tps, sp) in enumerate(zip(top, df["speedup"])):
-        ax1.text(x, tps, f"{sp:.2f}x", ha="center", va="bottom", fontsize=8)
+    for x, (tps, sp) in enumerate(zip(top, df["speedup"])):  # above the error bar's cap, not on it
+        ax1.text(x, tps + 0.03 * float(top.max()), f"{sp:.2f}x", ha="center", va="bottom", fontsize=8)
     eff_err = ([df["scaling_efficiency"] - df["scaling_efficiency_min"],
                 df["scaling_efficiency_max"] - df["scaling_efficiency"]] if spread else None)
     ax2.errorbar(df["world_size"], df["scaling_efficiency"], yerr=eff_err, fmt="o-", color="C1", capsize=4)
