@@ -255,7 +255,7 @@ def test_events_alone_are_labelled_across_a_short_strip(tmp_path):
     fig = utilisation.plot_utilization(_timeline_csv(tmp_path / "util.csv"), tmp_path / "u.png", STAMP, events=events)
     strip, util = fig.axes[:2]
     assert [t.get_text().strip() for t in strip.texts] == [e[1] for e in events]
-    assert all(t.get_rotation() == 0 for t in strip.texts) and len({t.get_position()[1] for t in strip.texts}) == 2
+    assert all(t.get_rotation() == 0 for t in strip.texts) and len({t.xy[1] for t in strip.texts}) == 2
     assert len(strip.lines) == len(util.lines) - 2 == 2  # two processes' lines below, the events' in both
     assert strip.get_position().height < 0.2 * util.get_position().height
 

@@ -15,8 +15,9 @@ SESSIONS = ("session_2026-11-26", "session_2026-11-27")
 def test_the_records_redraw_from_the_sessions_logs(tmp_path):
     for name in SESSIONS:
         shutil.copytree(REPO_ROOT / "figures" / "gpu" / name, tmp_path / name)
-    subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_results.py"), *(str(tmp_path / n) for n in SESSIONS)],
-                   check=True, capture_output=True, text=True, timeout=120)
+    tool = REPO_ROOT / "tools" / "gpu_results.py"
+    subprocess.run([sys.executable, str(tool), *(str(tmp_path / n) for n in SESSIONS)], check=True, capture_output=True,
+                   text=True, timeout=120)
     ladder = pd.read_csv(tmp_path / "mfu_ladder.csv")
     assert list(ladder["rung"]) == list(range(7))
     # a later call with fixed code replaces a rung; a repeat made only to reach later rungs does not

@@ -99,12 +99,14 @@ def main(sessions: list[Path]) -> int:
     first = metas[sorted(metas)[0]]
     versions = {k: sorted({m[k] for m in metas.values()}) for k in ("device", "driver", "cuda", "torch")}
     base = {**{k: " / ".join(v) for k, v in versions.items()}, "model": "qwen2.5-0.5b-random", "world_size": 1,
-            "commit": " / ".join(f"{m['date']} {c}: {v['commit']}" for m in metas.values() for c, v in m["calls"].items()),
+            "commit": " / ".join(f"{m['date']} {c}: {v['commit']}"
+                                 for m in metas.values() for c, v in m["calls"].items()),
             "date": " / ".join(m["date"] for m in metas.values()), "packages": first["packages"],
             "session": " ".join(sorted(metas))}
     used = ladder.drop_duplicates("call")  # the calls whose rows the table shows name its commits and dates
     provenance = {**base, "commit": " / ".join(f"{r.call}: {r.commit}" for r in used.itertuples()),
-                  "date": " / ".join(sorted({r.call.split()[0] for r in used.itertuples()})), "sources": sources, "superseded_rows": superseded, "repeated_rows": repeats,
+                  "date": " / ".join(sorted({r.call.split()[0] for r in used.itertuples()})), "sources": sources,
+                  "superseded_rows": superseded, "repeated_rows": repeats,
                   "note": " ".join(f"{m['date']}: {m.get('note', '')}" for m in metas.values())}
     save_table(ladder.round(4), out / "mfu_ladder.csv", provenance)
 

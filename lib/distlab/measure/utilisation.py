@@ -348,8 +348,9 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
         for i, (t, text) in enumerate(sorted(events)):
             ax_strip.axvline(t, color="crimson", ls="--", lw=1)
             right = t > lo + 0.75 * (hi - lo)  # near the right edge the label stands left of its line
-            ax_strip.text(t, 0.7 if i % 2 == 0 else 0.25, f"{text} " if right else f" {text}",
-                          ha="right" if right else "left", va="center", fontsize=7, color="crimson")
+            ax_strip.annotate(text, (t, 0.7 if i % 2 == 0 else 0.25), xytext=(-3 if right else 3, 0),
+                              textcoords="offset points", ha="right" if right else "left", va="center", fontsize=7,
+                              color="crimson")
     save_figure(fig, out_png, dict(provenance))
     return fig
 

@@ -7,7 +7,8 @@ result as JSON (`write_result`) to the path given with `--out`; the launching si
   fingerprint      every rank reports its software/hardware fingerprint; rank 0 flags mismatches
   allreduce_bench  all-reduce bandwidth over a message-size sweep (algbw and busbw, as nccl-tests)
   layer_times      forward+backward time of each model part on each host (chapter 05's pipeline split)
-  step_bytes       the bytes one optimizer step sends under ddp, fsdp, tp, tp + sequence or vocabulary parallelism (ch. 07)
+  step_bytes       the bytes one optimizer step sends under ddp, fsdp, tp, and tp + sequence or vocabulary
+                   parallelism (ch. 07)
   launcher         launching them under torchrun: run_worker, run_fingerprint, run_allreduce_bench
 """
 
