@@ -196,6 +196,17 @@ def test_torchrun_stage_killed_then_resumed(model_dir, uninterrupted, tmp_path):
     assert rank1.count("generating:") == 2 and rank1.index("generating: 8") < rank1.index("resuming: 4 of 8")
 
 
+def job_story(cluster, job_id: int, logs: Path) -> str:
+    """What a failed attempt left: every completion record of the job and the tail of each of its logs."""
+    from distlab.slurm import submit  # deferred: only with Slurm installed
+
+    parts = [f"records: {submit.sacct(cluster, [job_id])}"]
+    parts += [f"--- {log.name}\n{log.read_text()[-2000:]}" for log in sorted(logs.glob(f"*-{job_id}*"))]
+    daemon_log = cluster.root / "log" / "slurmctld.log"
+    parts.append(f"--- slurmctld.log\n{daemon_log.read_text()[-3000:] if daemon_log.exists() else '(none)'}")
+    return "\n".join(parts)
+
+
 needs_slurm = pytest.mark.skipif(not HAVE_SLURM, reason="slurm-wlm and munge are not installed "
                                  "(tools/ensure_debian_packages.sh installs them)")
 
@@ -215,14 +226,14 @@ def test_slurm_job_loses_a_stage_then_requeue_and_sbatch_finish_it(cluster, mode
     job_id = submit.submit(cluster, tmp_path / "job" / "submit.sbatch", env={**env, **KILL}, cwd=repo)
     rec = submit.wait(cluster, job_id, timeout_s=120)
     out, job_log = tmp_path / "out" / "rs", tmp_path / "logs" / f"rs-{job_id}.out"
-    assert rec["State"] == "FAILED", rec
+    assert rec["State"] == "FAILED", job_story(cluster, job_id, tmp_path / "logs")
     assert "task 1: Killed" in job_log.read_text()
     rank1_log = tmp_path / "logs" / f"rs-{job_id}-rank1.log"
     assert "rank 1: SIGKILL after 2 finished micro-batches" in rank1_log.read_text()
     assert len(outputs.completions(out)) == KILL_AFTER * 2 and not (out / "summary.json").exists()
 
     rec = submit.requeue(cluster, job_id, timeout_s=120)  # same job id; SLURM_RESTART_COUNT=1 disarms the kill
-    assert rec["State"] == "COMPLETED", rec
+    assert rec["State"] == "COMPLETED", job_story(cluster, job_id, tmp_path / "logs")
     summary = check_finished(out, uninterrupted)
     assert (summary["answered_before"], summary["answered_now"], summary["slurm_restart_count"]) == (4, 4, 1)
     # --open-mode=append: the lost attempt's lines are still above the requeued one's
