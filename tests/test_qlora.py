@@ -20,7 +20,8 @@ BAD_SETTINGS = [
     ({"quant_compute_dtype": "int4"}, "quant_compute_dtype='int4' is not accepted: expected one of auto, fp32"),
     ({"quant_compute_dtype": "bf16"}, "quant_compute_dtype='bf16' applies to quantization=nf4 only"),
     ({"optimizer": "adam8"}, "optimizer='adam8' is not accepted: expected one of adamw, adamw_8bit, paged_adamw_8bit"),
-    ({"quantization": "nf4", "strategy": "fsdp"}, "quantization='nf4' runs with strategy single or ddp"),
+    ({"quantization": "nf4", "strategy": "zero3"}, "quantization='nf4' runs with strategy single, ddp, fsdp"),
+    ({"quantization": "int8", "strategy": "fsdp"}, "quantization='int8' with strategy='fsdp': FSDP shards a 4-bit"),
     ({"optimizer": "adamw_8bit", "strategy": "zero2"}, "optimizer='adamw_8bit' runs with strategy single or ddp"),
     ({"optimizer": "paged_adamw_8bit", "fused_optimizer": True}, "fused_optimizer=true is torch AdamW's"),
 ]
@@ -79,6 +80,31 @@ def test_the_lan_guides_configuration_is_planned_and_recommended(capsys):
 
     with pytest.raises(UsageError, match="--devices 'RTX 4070:eight': expected NAME:GB"):
         plan.main(["--config", str(LAN_CONFIG), "--devices", "RTX 4070:eight"])
+
+
+def test_fsdp_shards_a_4bit_base_where_no_replica_fits(capsys):
+    """The LAN guide's Scenario 3 (13B on its 12/8/8 GB cards): a 4-bit replica fits only the 12 GB card, so one
+    replica per GPU finds nothing; FSDP sharding the 4-bit base (FSDP + QLoRA) fits all three. The planner
+    divides only the packed values: every rank keeps each tensor's constants whole."""
+    from distlab.commands import plan
+    from distlab.planning import memory
+    from distlab.planning.plan import quantised_parts
+    from distlab.planning.shapes import parameter_layout
+
+    q_v = dict(lora_r=16, lora_targets=["q_proj", "v_proj"], optimizer="adamw8bit")
+    before = memory.recommend(memory.LLAMA2_13B, memory.LAN_CLUSTER, shard_quantised=False, **q_v)
+    after = memory.recommend(memory.LLAMA2_13B, memory.LAN_CLUSTER, **q_v)
+    assert (before.label, after.label) == ("nothing fits", "fsdp with 4-bit weights")
+    assert "FSDP + QLoRA" in after.reasoning[-1] and after.plan.total / memory.GIB < 6.5
+    layout = [p for p in parameter_layout(memory.LLAMA2_13B, 16, ["q_proj", "v_proj"]) if not p.trainable]
+    values, constants = (sum(part) for part in zip(*(quantised_parts(p, "nf4") for p in layout)))
+    sharded = memory.plan_memory(memory.LLAMA2_13B, strategy="fsdp", world_size=3, dtype="nf4", **q_v)
+    assert sharded.weights == pytest.approx(values / 3 + constants, rel=1e-3)
+    # the config file runs it: the plan command plans FSDP's shards, not a replica
+    assert plan.main(["--config", str(LAN_CONFIG.with_name("lan_qlora_13b_fsdp.yaml"))]) == 0
+    out = capsys.readouterr().out
+    assert "sharded by FSDP over 3 GPUs" in out and "does NOT fit" not in out
+    assert "recommended: fsdp with 4-bit weights" in out
 
 
 @pytest.mark.slow

@@ -176,8 +176,13 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-# A replica per rank: sharding a bitsandbytes base (FSDP + QLoRA) or its 8-bit optimizer state is not built yet.
-QUANTISED_STRATEGIES = ("single", "ddp")
+# Where a bitsandbytes base runs: a replica per rank, or (nf4 only) sharded by FSDP2 (FSDP + QLoRA): fully_shard
+# cuts each 4-bit weight's packed bytes on dim 0 and leaves them uncast (not floating point); the per-block
+# constants stay whole on every rank (bitsandbytes keeps them on the module). LLM.int8()'s row scales live on the
+# weight itself and FSDP2 would drop them, and bitsandbytes' 8-bit AdamW updates whole tensors: both stay unsharded.
+QUANTISED_STRATEGIES = ("single", "ddp", "fsdp")
+SHARDED_QUANTISATIONS = ("nf4",)
+OPTIMIZER_8BIT_STRATEGIES = ("single", "ddp")
 
 
 def _check_quantised(cfg: TrainConfig) -> None:
@@ -188,17 +193,21 @@ def _check_quantised(cfg: TrainConfig) -> None:
                           "so only LoRA adapters over it can be trained (or set quantization=none)")
     if q != "none" and cfg.strategy not in QUANTISED_STRATEGIES:
         raise ConfigError(f"TrainConfig: quantization={q!r} runs with strategy "
-                          f"{' or '.join(QUANTISED_STRATEGIES)} (one replica per rank), not {cfg.strategy!r}")
+                          f"{', '.join(QUANTISED_STRATEGIES)} (a replica per rank, or FSDP2's shards), "
+                          f"not {cfg.strategy!r}")
+    if q not in ("none", *SHARDED_QUANTISATIONS) and cfg.strategy == "fsdp":
+        raise ConfigError(f"TrainConfig: quantization={q!r} with strategy='fsdp': FSDP shards a 4-bit base "
+                          f"(quantization=nf4); an int8 weight's row scales would be lost (use single or ddp)")
     if cfg.quant_compute_dtype != "auto" and q != "nf4":
         raise ConfigError(f"TrainConfig: quant_compute_dtype={cfg.quant_compute_dtype!r} applies to "
                           f"quantization=nf4 only (quantization={q!r}); leave it auto")
     if cfg.optimizer != "adamw" and cfg.fused_optimizer:
         raise ConfigError(f"TrainConfig: fused_optimizer=true is torch AdamW's fused kernel; "
                           f"optimizer={cfg.optimizer!r} is bitsandbytes' (set one of them)")
-    if cfg.optimizer != "adamw" and cfg.strategy not in QUANTISED_STRATEGIES:
+    if cfg.optimizer != "adamw" and cfg.strategy not in OPTIMIZER_8BIT_STRATEGIES:
         raise ConfigError(f"TrainConfig: optimizer={cfg.optimizer!r} runs with strategy "
-                          f"{' or '.join(QUANTISED_STRATEGIES)}, not {cfg.strategy!r} (which shards or splits the "
-                          "optimizer state its own way); use adamw")
+                          f"{' or '.join(OPTIMIZER_8BIT_STRATEGIES)}, not {cfg.strategy!r} (which shards or splits "
+                          "the optimizer state its own way); use adamw")
 
 
 class ConfigError(ValueError):

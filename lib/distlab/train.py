@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -108,9 +109,15 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     run_fingerprint = checkpoint.fingerprint(cfg, strategy.world_size, strategy.data_parallel_size,
                                              getattr(strategy, "num_stages", 1), accum)
     resume_from = checkpoint.latest(out) if cfg.resume else None
-    differ = (checkpoint.check_resume(resume_from, run_fingerprint, None if cfg.epochs else cfg.max_steps,
+    differ = (checkpoint.check_resume(resume_from, run_fingerprint, None if cfg.epochs is not None else cfg.max_steps,
                                       force=cfg.resume == "force") if resume_from is not None else [])
+    # Host memory while the model loads: every rank reads (and, for a quantised base, quantises) the whole
+    # model before any strategy shards it, so this peak is per rank, whatever the strategy keeps afterwards.
+    host = torch.device("cpu")
+    reset_peak_memory(host)
+    host_before_load = psutil.Process().memory_info().rss  # the interpreter and its libraries
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
+    host_peak_at_load = peak_memory_bytes(host)
     n_total, n_trainable = count_parameters(model)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)
@@ -205,7 +212,8 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     if cfg.save_model:
         strategy.save_model(model, out / "model", tokenizer)
     summary = {"final_loss": loss, "eval_loss_before": eval_before, "eval_loss_after": eval_after,
-               "peak_mem_bytes": peak_memory_bytes(choice.device)}
+               "peak_mem_bytes": peak_memory_bytes(choice.device), "host_before_load_bytes": host_before_load,
+               "host_peak_at_load_bytes": host_peak_at_load}
     log.write("end", **summary)
     if strategy.is_main:
         stamp = provenance.stamp(cfg.model or "distlab-tiny", strategy.world_size)

@@ -16,6 +16,7 @@ import pandas as pd
 from matplotlib.patches import Rectangle
 
 from distlab.chapters.ch02 import torchrun_module_or_script
+from distlab.config import LORA_TARGETS
 from distlab.planning import memory
 from distlab.planning.memory import GIB, breakdown_table
 from distlab.provenance import save_figure
@@ -202,13 +203,13 @@ SETUPS = (("LoRA, bf16 weights", dict(lora_r=16, weight_bytes=2)),
 def fit_table(models: Mapping[str, object], cards: Sequence[Mapping], world_size: int = 3) -> pd.DataFrame:
     """Planned GiB per GPU for each model, setup and strategy on `world_size` ranks (bf16 activations,
     checkpointing, 1 x 2048 tokens), and which cards it fits after the recommender's reserve. Quantised
-    base weights run DDP only (one replica per GPU, as QLoRA)."""
+    base weights run DDP (one replica per GPU, as QLoRA); a 4-bit base also FSDP (FSDP + QLoRA)."""
     targets = {"Llama-2-7B": ["q_proj", "v_proj"]}  # the guide's LoRA targets for Llama; all projections otherwise
     rows = []
     for name, shape in models.items():
         for setup, kw in SETUPS:
             for s in ("ddp", "zero2", "fsdp", "zero3"):
-                if kw["weight_bytes"] < 2 and s != "ddp":
+                if kw["weight_bytes"] < 2 and s not in ("ddp", "fsdp" if kw["weight_bytes"] == 0.5 else "ddp"):
                     continue
                 b = memory.plan_memory(shape, strategy=s, world_size=world_size, micro_batch=1, seq_len=2048,
                                        activation_bytes=2, activation_checkpointing=True,
@@ -345,3 +346,54 @@ def plot_fsdp_trace(trace: Mapping, path, provenance: dict):
     out = save_figure(fig, path, provenance)
     plt.close(fig)
     return out
+
+
+# ---------------------------------------------------------------- FSDP + QLoRA
+
+QLORA = {"lora": True, "quantization": "nf4", "double_quant": True}  # a 4-bit NF4 base under the adapters
+
+
+def launch_qlora(common: Mapping, nproc: int, steps: int, timeout_s: float) -> dict:
+    """The same QLoRA run on one rank (single) and sharded on `nproc` (fsdp), each in fresh processes, so that
+    each rank's host memory at load is its own: {"single": job, "fsdp": job}."""
+    from distlab.launch import local  # deferred: the launcher imports the training stack
+
+    overrides = {**common, **QLORA, "max_steps": steps}
+    return {strategy: local.launch_training(f"03_qlora_{strategy}", n, {**overrides, "strategy": strategy},
+                                            timeout_s=timeout_s, echo=False)
+            for strategy, n in (("single", 1), ("fsdp", nproc))}
+
+
+def qlora_bytes_table(records: Mapping[str, Mapping[int, Mapping]], model_config, nproc: int) -> pd.DataFrame:
+    """Per run and rank, MiB measured and planned for each state component (the 4-bit base under "weights":
+    packed values, their constants and the unquantised tensors), and host memory before and at the peak of
+    loading the model. records: {"single": {rank: result record}, "fsdp": {...}}."""
+    rows = []
+    for strategy, by_rank in records.items():
+        world = len(by_rank)
+        for rank, rec in sorted(by_rank.items()):
+            plan = memory.plan_memory(model_config, strategy=strategy, world_size=world, rank=rank, dtype="nf4",
+                                      double_quant=QLORA["double_quant"], lora_r=rec["lora_r"],
+                                      lora_targets=LORA_TARGETS, activation_bytes=4)
+            row = {"run": f"{strategy} x{world}", "rank": rank}
+            for part in ("weights", "adapter_weights", "gradients", "optimizer_state"):
+                row[f"{part} MiB"] = rec["state_bytes"][part] / 2**20
+                row[f"{part} planned"] = getattr(plan, part) / 2**20
+            row["host before load MiB"] = rec["host_before_load_bytes"] / 2**20
+            row["host peak at load MiB"] = rec["host_peak_at_load_bytes"] / 2**20
+            rows.append(row)
+    return pd.DataFrame(rows).set_index(["run", "rank"])
+
+
+def advice_before_after(shape, cards: Sequence[Mapping], model_name: str, **kw) -> pd.DataFrame:
+    """The recommender on `cards` for one model, with one quantised replica per GPU as its last resort (before)
+    and with a 4-bit base sharded by FSDP allowed (after): its choice and the planned GiB per GPU."""
+    rows = []
+    for when, shard in (("before: a quantised base runs one replica per GPU", False),
+                        ("after: FSDP may shard a 4-bit base", True)):
+        rec = memory.recommend(shape, cards, model_name=model_name, shard_quantised=shard, **kw)
+        rows.append({"advice": when, "recommended": rec.label,
+                     "GiB per GPU": round(rec.plan.total / GIB, 2) if rec.plan is not None else float("nan"),
+                     "smallest usable GiB": round(min(c["memory_gb"] for c in cards) - RESERVE_GIB, 2),
+                     "last step of the reasoning": rec.reasoning[-1]})
+    return pd.DataFrame(rows).set_index("advice")

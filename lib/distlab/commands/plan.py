@@ -57,9 +57,11 @@ def parse_devices(text: str | None) -> list[dict]:
 
 
 def config_plan(cfg, shape: dict, world_size: int):
-    """What one DDP rank holds with the config's settings (the planner's per-component breakdown)."""
+    """What one rank holds with the config's settings (the planner's per-component breakdown): a DDP replica,
+    or with strategy=fsdp (FSDP + QLoRA for a 4-bit base) one rank's shards."""
+    strategy = "fsdp" if cfg.strategy == "fsdp" else ("ddp" if world_size > 1 else "single")
     return memory.plan_memory(
-        shape, strategy="ddp" if world_size > 1 else "single", world_size=world_size,
+        shape, strategy=strategy, world_size=world_size,
         dtype=PLANNER_DTYPE[cfg.quantization], weight_bytes=None if cfg.quantization != "none" else 2,
         lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets, micro_batch=cfg.micro_batch_size,
         seq_len=cfg.seq_len, activation_checkpointing=cfg.activation_checkpointing,
@@ -80,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     gib = memory.GIB
     print(f"plan: {cfg.model}, quantization={cfg.quantization}, LoRA r={cfg.lora_r} on {','.join(cfg.lora_targets)}, "
           f"optimizer={cfg.optimizer}, micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens, activation "
-          f"checkpointing={cfg.activation_checkpointing}; one replica per GPU ({len(devices)} GPUs)")
+          f"checkpointing={cfg.activation_checkpointing}; " +
+          (f"sharded by FSDP over {len(devices)} GPUs" if cfg.strategy == "fsdp" else
+           f"one replica per GPU ({len(devices)} GPUs)"))
     print(markdown.table(memory.breakdown_table({"per rank": plan}, unit=gib, unit_name="GiB").round(3).reset_index()))
     reserve = 1.5
     for d in devices:

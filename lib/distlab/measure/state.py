@@ -60,15 +60,18 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
 def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """The constants bitsandbytes keeps beside each quantised weight, outside the module's parameters: a 4-bit
     weight's per-block absmax and NF4 code table (double-quantised: the 8-bit scales' own fp32 absmax, offset
-    and code table too), an int8 weight's per-row fp32 scales (SCB). Empty for a model that is not quantised."""
+    and code table too), an int8 weight's per-row fp32 scales (SCB). Empty for a model that is not quantised.
+    Read from the weights and from their modules: under FSDP2 a weight is a DTensor shard that no longer
+    carries its state, and bitsandbytes' Linear4bit keeps the same state whole on the module (`quant_state`)."""
     out = []
-    for p in model.parameters():
-        state = getattr(p, "quant_state", None)
+    holders = [*model.parameters(), *(m for m in model.modules() if getattr(m, "quant_state", None) is not None)]
+    for holder in holders:
+        state = getattr(holder, "quant_state", None)
         while state is not None:  # a double-quantised state holds its scales' own state (state2)
             out += [v for v in vars(state).values() if torch.is_tensor(v)]
             state = getattr(state, "state2", None)
-        if torch.is_tensor(getattr(p, "SCB", None)):
-            out.append(p.SCB)
+        if torch.is_tensor(getattr(holder, "SCB", None)):
+            out.append(holder.SCB)
     return out
 
 

@@ -157,6 +157,7 @@ OUTCOMES = {
     "sharded_fits": "3. sharding everything fits: FSDP or ZeRO-3, whichever needs less",
     "tp_fits": "3. sharding alone does not fit, the link is fast: tensor parallelism in pairs, FSDP across them",
     "quantise": "4. nothing sharded fits, quantised base weights do: DDP",
+    "quantise_and_shard": "4. no quantised replica fits, a 4-bit base sharded by FSDP does: FSDP + QLoRA",
     "offload": "4. ZeRO-3 with the optimizer state offloaded to the CPU fits",
     "nothing_fits": "4. nothing fits",
 }
@@ -199,8 +200,10 @@ class Decision:
 def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | None = 16, lora_targets=None,
            weight_bytes: float = 2, seq_len: int = 2048, micro_batch: int = 1, activation_checkpointing: bool = True,
            optimizer: str = "adamw", reserve_gb: float = 1.5, link_gbit: float | None = 1.0,
-           max_comm_s: float = 10.0, model_name: str = "the model") -> Decision:
-    """The LAN-cluster guide's decision tree on the planner's numbers (see `recommend`)."""
+           max_comm_s: float = 10.0, model_name: str = "the model", shard_quantised: bool = True) -> Decision:
+    """The LAN-cluster guide's decision tree on the planner's numbers (see `recommend`). `shard_quantised`:
+    whether a quantised base may be sharded (FSDP + QLoRA); False gives the tree with one replica per GPU
+    for quantised weights, as it stood before."""
     if not devices:
         raise ValueError("no devices")
     n = len(devices)
@@ -211,12 +214,16 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
     options: list[Option] = []
 
     def consider(strategy: str, wb: float, offload: bool = False) -> Option:
+        # bitsandbytes' 8-bit AdamW updates whole tensors: a sharded strategy keeps torch's AdamW
+        opt = optimizer if strategy in ("single", "ddp") else "adamw"
         plan = plan_memory(model_config, strategy=strategy, world_size=n, weight_bytes=wb, lora_r=lora_r,
                            lora_targets=targets, micro_batch=micro_batch, seq_len=seq_len,
                            activation_checkpointing=activation_checkpointing, activation_bytes=2,
-                           optimizer=optimizer, offload_optimizer=offload)
+                           optimizer=opt, offload_optimizer=offload)
+        # weights travel in at least bf16, except a 4-bit base under FSDP: it all-gathers the packed bytes
+        travel = wb if (strategy == "fsdp" and wb < 2) else max(wb, 2)
         comm = communication_bytes(model_config, strategy, n, lora_r=lora_r, lora_targets=targets,
-                                   weight_bytes=max(wb, 2), grad_bytes=4, tokens=micro_batch * seq_len)
+                                   weight_bytes=travel, grad_bytes=4, tokens=micro_batch * seq_len)
         option = Option(strategy, wb, offload, plan, comm, comm / (link_gbit * 1e9 / 8) if link_gbit else float("nan"),
                         _gib(plan.total) <= smallest)
         options.append(option)
@@ -232,6 +239,8 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
     replica = consider("ddp", weight_bytes)
     if all(_gib(replica.plan.total) <= u for u in usable):
         return decision("replica_fits", replica)
+    if weight_bytes < 2:  # a quantised base was asked for and its replica does not fit: ZeRO cannot shard it
+        return quantised_fallback(consider, decision, lora_r, weight_bytes, shard_quantised)
     # 2. shard the gradients and optimizer state (ZeRO-2)
     zero2 = consider("zero2", weight_bytes)
     if zero2.fits_every_gpu:
@@ -262,13 +271,31 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
         two_d = consider("fsdp_tp", weight_bytes)
         if two_d.fits_every_gpu:
             return decision("tp_fits", two_d, **more)
-    # 4. quantise, then offload
+    # 4. quantise, then shard the quantised base (FSDP + QLoRA), then offload
     if quantised is not None:
         return decision("quantise", quantised, **more)
+    if lora_r and shard_quantised:
+        q_fsdp = consider("fsdp", 0.5)
+        if q_fsdp.fits_every_gpu:
+            return decision("quantise_and_shard", q_fsdp, **more)
     offload = consider("zero3", weight_bytes, offload=True)
     if offload.fits_every_gpu:
         return decision("offload", offload, **more)
     return decision("nothing_fits", None, **more)
+
+
+def quantised_fallback(consider, decision, lora_r, weight_bytes: float, shard_quantised: bool) -> Decision:
+    """The tree's end for a quantised base (8- or 4-bit asked for) whose replica does not fit: a 4-bit replica
+    (from 8-bit), then the 4-bit base sharded by FSDP (bitsandbytes' int8 weights do not shard), else nothing."""
+    if lora_r and weight_bytes > 0.5:
+        q = consider("ddp", 0.5)
+        if q.fits_every_gpu:
+            return decision("quantise", q)
+    if lora_r and shard_quantised:
+        q = consider("fsdp", 0.5)
+        if q.fits_every_gpu:
+            return decision("quantise_and_shard", q)
+    return decision("nothing_fits", None)
 
 
 # ----------------------------------------------------------------------------- the decision, as prose
@@ -302,6 +329,8 @@ def explain(d: Decision) -> list[str]:
     lines.append("   Only on " + ", ".join(fits) + ": DDP needs it on every GPU." if fits
                  else "   NO: not even on the largest GPU.")
 
+    if d.weight_bytes < 2:  # a quantised base asked for: ZeRO does not shard it (quantised_fallback)
+        return lines + _quantised_fallback_lines(d)
     lines.append(f"2. Is total VRAM enough? {sum(d.usable_gib):.1f} GiB usable over {n} GPUs vs "
                  f"{_gib(replica.state):.2f} GiB of weights, gradients and optimizer state to divide (plus "
                  "activations on every GPU).")
@@ -347,12 +376,45 @@ def explain(d: Decision) -> list[str]:
         q = d.chosen
         lines.append(f"4. Quantise more aggressively: with {_bits(q.weight_bytes)} base weights (LoRA on top) a "
                      f"replica needs {_gib(q.plan.total):.2f} GiB -> DDP with {_bits(q.weight_bytes)} weights.")
+    elif d.outcome == "quantise_and_shard":
+        lines.append("4. " + _sharded_4bit_line(d))
     elif d.outcome == "offload":
         lines.append(f"4. Offload the optimizer state to CPU memory (ZeRO-3 + offload_optimizer): "
                      f"{_gib(d.chosen.plan.total):.2f} GiB per GPU; each step then waits for the CPU update.")
     else:
-        lines.append("4. Nothing fits: use LoRA with quantised weights, shorter sequences, activation checkpointing, "
-                     "more GPUs or a smaller model.")
+        tried = [o for o in d.options if o.strategy == "ddp" and o.weight_bytes < d.weight_bytes]
+        smallest_replica = f" (a {_bits(tried[-1].weight_bytes)} replica needs {_gib(tried[-1].plan.total):.2f} GiB)" \
+            if tried else ""
+        lines.append(f"4. Nothing fits{smallest_replica}: " + ("use shorter sequences, more GPUs or a smaller model."
+                     if tried else "use LoRA with quantised weights, shorter sequences, activation checkpointing, "
+                     "more GPUs or a smaller model."))
+    return lines
+
+
+def _sharded_4bit_line(d: Decision) -> str:
+    q = d.chosen
+    return (f"Shard a 4-bit base (FSDP + QLoRA): FSDP cuts each 4-bit weight's packed values (its per-block "
+            f"constants stay whole on every GPU), the adapters, their gradients and optimizer state over "
+            f"{len(d.devices)} GPUs: {_gib(q.plan.total):.2f} GiB per GPU <= {d.smallest_usable:.1f} -> FSDP with "
+            f"4-bit weights. Each step all-gathers the packed layers: {q.comm_bytes / 1e9:.2f} GB "
+            f"({q.comm_s:.1f} s at {d.link_gbit} Gbit/s).")
+
+
+def _quantised_fallback_lines(d: Decision) -> list[str]:
+    lines = ["2. ZeRO cannot shard bitsandbytes' weights; FSDP shards a 4-bit base only."]
+    replica4 = [o for o in d.options if (o.strategy, o.weight_bytes) == ("ddp", 0.5) and d.weight_bytes > 0.5]
+    if replica4:
+        r = replica4[0]
+        lines.append(f"3. A 4-bit replica needs {_gib(r.plan.total):.2f} GiB" +
+                     (" -> DDP with 4-bit weights." if d.outcome == "quantise" else ": too much."))
+    if d.outcome == "quantise_and_shard":
+        lines.append("4. " + _sharded_4bit_line(d))
+    elif d.outcome == "nothing_fits":
+        tried = [o for o in d.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
+        lines.append(f"4. Nothing fits: a 4-bit base sharded over {len(d.devices)} GPUs needs "
+                     f"{_gib(tried[0].plan.total):.2f} GiB per GPU." if tried else
+                     "4. Nothing fits with one replica per GPU: shard the 4-bit base (FSDP + QLoRA), use shorter "
+                     "sequences, more GPUs or a smaller model.")
     return lines
 
 
@@ -384,7 +446,8 @@ class Recommendation:
 def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | None = 16, lora_targets=None,
               weight_bytes: float = 2, seq_len: int = 2048, micro_batch: int = 1, activation_checkpointing: bool = True,
               optimizer: str = "adamw", reserve_gb: float = 1.5, link_gbit: float | None = 1.0,
-              max_comm_s: float = 10.0, model_name: str = "the model") -> Recommendation:
+              max_comm_s: float = 10.0, model_name: str = "the model",
+              shard_quantised: bool = True) -> Recommendation:
     """Which strategy fits `model_config` on these GPUs, with the reasoning: the LAN-cluster guide's
     decision tree, driven by the planner's numbers (`decide`, rendered by `explain`).
 
@@ -397,12 +460,15 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
          ... unless every step would all-gather the weights over a slow link (`link_gbit`) for longer
          than `max_comm_s` while quantised weights fit one GPU: then quantise and use DDP
          ... else, on a fast link (>= FAST_LINK_GBIT) and 4+ GPUs: FSDP x TP (TP in pairs) if it fits
-      4. else quantise the base weights (8-bit, 4-bit: LoRA only), then offload the optimizer to the CPU.
+      4. else quantise the base weights (8-bit, 4-bit: LoRA only), else shard a 4-bit base with FSDP
+         (FSDP + QLoRA; `shard_quantised=False` leaves this out), then offload the optimizer to the CPU.
+    A quantised base asked for (`weight_bytes` 1 or 0.5) that does not fit as a replica goes to the same
+    fallback: a 4-bit replica, then a 4-bit base under FSDP (ZeRO does not shard bitsandbytes' weights).
     """
     d = decide(model_config, devices, lora_r=lora_r, lora_targets=lora_targets, weight_bytes=weight_bytes,
                seq_len=seq_len, micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
                optimizer=optimizer, reserve_gb=reserve_gb, link_gbit=link_gbit, max_comm_s=max_comm_s,
-               model_name=model_name)
+               model_name=model_name, shard_quantised=shard_quantised)
     chosen = d.chosen
     per_device = pd.DataFrame({"device": d.devices, "capacity GiB": d.capacity_gib, "usable GiB": d.usable_gib,
                                "predicted GiB": [round(_gib(chosen.plan.total), 2) if chosen else float("nan")]

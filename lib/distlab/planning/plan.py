@@ -90,16 +90,22 @@ def is_quantised(p: ParamSpec) -> bool:
 def quantised_tensor_bytes(p: ParamSpec, quantization: str, double_quant: bool = True) -> float:
     """Bytes bitsandbytes holds for one frozen tensor of a `quantization` ("nf4", "int8") base, constants
     included; UNQUANTISED_BYTES per value for the tensors it leaves alone (`is_quantised`)."""
+    return sum(quantised_parts(p, quantization, double_quant))
+
+
+def quantised_parts(p: ParamSpec, quantization: str, double_quant: bool = True) -> tuple[float, float]:
+    """(value bytes, constant bytes) of one frozen tensor as bitsandbytes stores it. The values are the
+    parameter FSDP shards; the constants (absmax, code tables, int8 row scales) sit beside it, whole."""
     if not is_quantised(p):
-        return p.numel * UNQUANTISED_BYTES
+        return p.numel * UNQUANTISED_BYTES, 0.0
     if quantization == "int8":
-        return p.numel + p.shape[0] * FP32_BYTES  # int8 values + one fp32 scale per output row
+        return p.numel, p.shape[0] * FP32_BYTES  # int8 values + one fp32 scale per output row
     blocks = _chunk(p.numel, QUANT_BLOCK)
     if double_quant:
         scales = blocks + _chunk(blocks, NESTED_BLOCK) * FP32_BYTES + FP32_BYTES + NESTED_CODE_BYTES
     else:
         scales = blocks * FP32_BYTES
-    return _chunk(p.numel, 2) + scales + NF4_CODE_BYTES
+    return _chunk(p.numel, 2), scales + NF4_CODE_BYTES
 
 
 def moment_bytes(optimizer: str, value_bytes: float = FP32_BYTES) -> float:
@@ -240,12 +246,16 @@ class PlanSetup:
 
     def frozen_bytes(self, held=lambda p: p.numel) -> float:
         """Bytes of the frozen tensors a rank holds, `held(p)` elements of each (its shard or slice; all of it by
-        default): weight_bytes per element, or a quantised base's bytes per tensor, constants included, in
-        proportion (`quantised_tensor_bytes`)."""
+        default): weight_bytes per element, or a quantised base's values in proportion plus each tensor's
+        constants whole (`quantised_parts`: bitsandbytes keeps them beside the parameter that is cut)."""
         if not self.quantization:
             return sum(held(p) for p in self.frozen) * self.weight_bytes
-        return sum(quantised_tensor_bytes(p, self.quantization, self.double_quant) * held(p) / p.numel
-                   for p in self.frozen)
+        total = 0.0
+        for p in self.frozen:
+            values, constants = quantised_parts(p, self.quantization, self.double_quant)
+            part = held(p)
+            total += values * part / p.numel + (constants if part else 0.0)
+        return total
 
     def split(self, frozen_bytes: float, trained_bytes: float) -> tuple[float, float]:
         """(weights, adapter_weights): LoRA adapters are reported apart from the base weights."""

@@ -17,6 +17,9 @@ from distlab.config import LORA_TARGETS
 # Llama-2-7B replays the LAN-cluster guide's "7B on a 12 GB GPU" table.
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False, model_type="llama")
+# Llama-2-13B: the LAN-cluster guide's Scenario 3 (FSDP across its three cards with an 8/4-bit base).
+LLAMA2_13B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                  num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False, model_type="llama")
 # The enterprise demo's and benchmark's models (Qwen2 has q/k/v biases; Qwen3 has q/k RMSNorms instead).
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2")
@@ -28,7 +31,8 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 SEED_MODELS = {"Llama-2-7B": LLAMA2_7B, "Qwen2.5-7B-Instruct": QWEN25_7B, "Qwen2.5-3B-Instruct": QWEN25_3B,
                "Qwen3-0.6B": QWEN3_06B}
 # Their hub ids, so a config naming one is planned offline (distlab.commands.plan).
-SEED_MODEL_IDS = {"meta-llama/Llama-2-7b-hf": LLAMA2_7B, "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+SEED_MODEL_IDS = {"meta-llama/Llama-2-7b-hf": LLAMA2_7B, "meta-llama/Llama-2-13b-hf": LLAMA2_13B,
+                  "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
                   "Qwen/Qwen2.5-3B-Instruct": QWEN25_3B, "Qwen/Qwen3-0.6B": QWEN3_06B}
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -77,6 +77,8 @@ def rank_result(cfg, strategy, log_path: Path | None, summary: Mapping[str, Any]
         "step_time_s": [s["step_time_s"] for s in steps], "tokens": [s["tokens"] for s in steps],
         "comm_time_s": [s.get("comm_time_s") for s in steps], "comm_bytes": [s.get("comm_bytes") for s in steps],
         "peak_mem_bytes": max([int(summary.get("peak_mem_bytes") or 0)] + [int(s["peak_mem_bytes"]) for s in steps]),
+        "host_before_load_bytes": summary.get("host_before_load_bytes"),
+        "host_peak_at_load_bytes": summary.get("host_peak_at_load_bytes"),
         "final_loss": summary.get("final_loss"), "eval_loss_before": summary.get("eval_loss_before"),
         "eval_loss_after": summary.get("eval_loss_after"),
         "device_name": device_description(), "commit": git_commit(),
