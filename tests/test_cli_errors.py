@@ -1,5 +1,7 @@
 """Bad input to any `python -m distlab.*` command: one line `<prog>: error: ...` on stderr, exit 2, no
-traceback; `--debug` shows the traceback. Every case runs the real command in a subprocess."""
+traceback; `--debug` shows the traceback. Every case runs the real command's `__main__` in a process of its own
+(its own stdout, stderr and exit status): forked from an interpreter that imported torch and transformers once,
+so forty cases do not pay forty interpreter starts. `--debug` runs one as a plain `python -m` subprocess."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -121,13 +124,64 @@ def _run(module, args, d):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
 
 
+# Runs each [module, args, timeout_s] read from stdin as `python -m module args` would (runpy, run_name
+# "__main__"), in a child forked after the third-party imports most commands pay (torch's compiler stack
+# included: distlab.attention reaches it); prints [{returncode, stdout, stderr}]. No distlab module is imported
+# up front (each case imports its own), nor bitsandbytes (through peft): it prints a line when a command loads it.
+FORK_RUNNER = """
+import json, os, runpy, signal, sys, tempfile, traceback
+import matplotlib.pyplot, pandas, torch, torch._dynamo, torch.distributed.fsdp, transformers  # noqa: F401,E401
+results = []
+for module, args, timeout_s in json.load(sys.stdin):
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            signal.alarm(int(timeout_s))  # a hung case dies by SIGALRM and fails its test
+            sys.argv = [module, *args]
+            code = 0
+            try:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        results.append({"returncode": os.waitstatus_to_exitcode(status),
+                        "stdout": out.read().decode(errors="replace"), "stderr": err.read().decode(errors="replace")})
+json.dump(results, sys.__stdout__)
+"""
+
+
+def _run_forked(cases, d) -> list[SimpleNamespace]:
+    """Every (module, args) in `cases`, one forked child each (see FORK_RUNNER), in one interpreter."""
+    todo = [[module, [a.replace("{d}", str(d)) for a in args], 120] for module, args in cases]
+    proc = subprocess.run([sys.executable, "-c", FORK_RUNNER], input=json.dumps(todo), capture_output=True,
+                          text=True, timeout=600, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [SimpleNamespace(**r) for r in json.loads(proc.stdout)]
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    """Every case, three at a time (each pays an interpreter start and the imports)."""
+    """Every case, in two interpreters side by side (one per core), each forking a child per case."""
     d = _files(tmp_path_factory.mktemp("bad"))
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = [pool.submit(_run, module, args, d) for module, args, _ in CASES]
-        return [f.result() for f in futures]
+    cases = [(module, args) for module, args, _ in CASES]
+    halves = [cases[0::2], cases[1::2]]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        even, odd = pool.map(lambda half: _run_forked(half, d), halves)
+    merged = [None] * len(cases)
+    merged[0::2], merged[1::2] = even, odd
+    return merged
 
 
 @pytest.mark.slow
