@@ -17,6 +17,9 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
                 "BOOT_FAIL", "DEADLINE"}
 
 
+REQUEUE_DELAY_S = 2  # a requeued attempt starts this long after `scontrol requeue` (see `requeue`)
+
+
 class JobError(RuntimeError):
     pass
 
@@ -64,11 +67,14 @@ def wait(cluster: Cluster, job_id: int, timeout_s: float, poll_s: float = 0.5) -
 def requeue(cluster: Cluster, job_id: int, timeout_s: float) -> dict:
     """`scontrol requeue` a finished (or running) batch job of a --requeue script, wait for its next attempt
     to end; returns that attempt's record. Slurm holds a requeued job until its credentials have expired
-    (AuthInfo cred_expire + 1 s, 121 s by default); its start time is set to now, as an administrator
-    would, so the demo does not wait two minutes for nothing."""
+    (AuthInfo cred_expire + 1 s, 121 s by default); its start time is moved up, as an administrator would,
+    so the demo does not wait two minutes for nothing. Not to now: the nodes revoked the lost attempt's
+    credential when it ended, and a credential created in that same second counts as revoked (Slurm compares
+    whole seconds), so an attempt started at once can be refused ("Job credential revoked") and end FAILED.
+    Two seconds on, the new credential is younger than the revocation."""
     before = len(sacct(cluster, [job_id]))
     _client(cluster, ["scontrol", "requeue", str(job_id)])
-    _client(cluster, ["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+    _client(cluster, ["scontrol", "update", f"JobId={job_id}", f"StartTime=now+{REQUEUE_DELAY_S}"])
     deadline = time.monotonic() + timeout_s
     while len(sacct(cluster, [job_id])) == before:  # the requeue's own record: the old one no longer counts
         if time.monotonic() > deadline:
