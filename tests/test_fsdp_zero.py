@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from distlab.chapters.ch03 import QLORA  # a 4-bit NF4 base under the adapters, as chapter 03 runs it
 from distlab.config import LORA_TARGETS
 from distlab.launch.local import launch_sweep, launch_training
 from distlab.metrics import read_log
@@ -32,7 +33,6 @@ COMMON = {"max_steps": STEPS, "global_batch_size": 8, "micro_batch_size": 2, "se
           "measure_comm": True, "checkpoint_steps": 2}
 LOSS_RTOL = 1e-5  # fp32 on CPU: only the order of additions differs between strategies (observed ~1e-7)
 STATE_RTOL = 0.05
-QLORA = {"lora": True, "quantization": "nf4", "double_quant": True}  # a 4-bit NF4 base under the adapters
 
 
 def overrides(strategy: str, mode: str) -> dict:
