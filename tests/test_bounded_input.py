@@ -170,7 +170,7 @@ def test_accept_fails_a_run_whose_loss_is_not_finite_naming_the_step(tmp_path):
 def test_matrix_refuses_more_ranks_than_the_local_target_holds_before_launching(tmp_path):
     from distlab.commands import matrix
     from distlab.launch.local import CPU_RANKS_PER_CORE, max_local_ranks
-    from distlab.measure.envcheck import usable_cores
+    from distlab.machine import usable_cores
 
     most, why = max_local_ranks("cpu")
     assert most == usable_cores() * CPU_RANKS_PER_CORE and "usable CPU core" in why

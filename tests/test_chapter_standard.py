@@ -8,8 +8,13 @@ lesson fails `make test-fast`:
 * the idea drawn (a `draw_*` call of its chapter module) before it is measured;
 * the mechanism written by hand (a code cell tagged `mechanism`);
 * a prediction asked for before a measurement (`**Predict.**`);
-* 2-4 exercises, each followed by its solution in a collapsed code cell (tags `solution` and `hide-cell`)
-  that papermill executes with the rest of the notebook, so every solution keeps working;
+* 2-4 exercises, each followed by its solution in a collapsed code cell that papermill executes with the
+  rest of the notebook, so every solution keeps working: collapsed in the book by the tags `solution` and
+  `hide-cell`, and in JupyterLab (which ignores tags) by `metadata.jupyter.source_hidden` and
+  `outputs_hidden`; an answer written in words is a markdown cell holding one MyST dropdown (`:::{dropdown}`,
+  collapsed in the book) with `metadata.jupyter.source_hidden` (collapsed in JupyterLab). Between a
+  solution and the next exercise (or the next section) there is nothing else: no code cell, and no markdown
+  that is not such a collapsed answer, also not as text before the next cell's heading;
 * takeaways (at most five) and further reading (at least two links);
 * short code cells: plumbing lives in `distlab.chapters`, not in the notebook;
 * no paragraphs assembled from f-strings in code cells (a reader of the unexecuted notebook must be able
@@ -33,6 +38,12 @@ from distlab import paths
 MAX_CODE_LINES = 15  # non-blank lines; `parameters` and `mechanism` cells are exempt
 EXEMPT_TAGS = {"parameters", "mechanism"}
 SOLUTION_TAGS = {"solution", "hide-cell"}
+# JupyterLab's collapse flags (nbformat's `jupyter` cell metadata): markdown cells have only the first.
+HIDDEN_FLAGS = ("source_hidden", "outputs_hidden")
+# A markdown answer collapsed in the book: the whole cell is one MyST dropdown (colon or backtick fence).
+DROPDOWN = re.compile(r"\A\s*(?P<fence>:{3,}|`{3,})\{dropdown\}[^\n]*\n.*\n(?P=fence)\s*\Z", re.S)
+# A markdown cell that reads as an answer: "Answer", "*Answer.*", "**Solution:**", "(Answer ...", ...
+ANSWER_WORDS = re.compile(r"\A[\s*_(]*(answer|solution)\b", re.I)
 
 # Words of the project's own bookkeeping that mean nothing to a reader. A random seed is fine.
 INTERNAL_WORDS = [
@@ -56,6 +67,26 @@ def source(cell) -> str:
 
 def tags(cell) -> set[str]:
     return set(cell.get("metadata", {}).get("tags", []))
+
+
+def hidden(cell, flag: str = "source_hidden") -> bool:
+    return cell.get("metadata", {}).get("jupyter", {}).get(flag) is True
+
+
+def is_solution_code(cell) -> bool:
+    """A solution code cell collapsed in the book (its tags) and in JupyterLab (both flags)."""
+    return cell["cell_type"] == "code" and SOLUTION_TAGS <= tags(cell) and all(hidden(cell, f) for f in HIDDEN_FLAGS)
+
+
+def is_collapsed_answer(cell) -> bool:
+    """A markdown answer collapsed in the book (one dropdown) and in JupyterLab (source hidden)."""
+    return cell["cell_type"] == "markdown" and bool(DROPDOWN.match(source(cell))) and hidden(cell)
+
+
+def text_before_heading(cell) -> str:
+    """A markdown cell's text above its first heading (all of it when it has none)."""
+    m = re.search(r"^#{1,6}\s", source(cell), re.M)
+    return source(cell)[:m.start()] if m else source(cell)
 
 
 def headings(text: str, level: int) -> list[str]:
@@ -113,7 +144,11 @@ def standard_problems(nb_path: Path) -> list[str]:
     if not 2 <= len(exercise_cells) <= 4:
         problems.append(f"{len(exercise_cells)} exercises ('### Exercise N'): 2 to 4")
     for n, start in enumerate(exercise_cells):
-        end = exercise_cells[n + 1] if n + 1 < len(exercise_cells) else len(cells)
+        if n + 1 < len(exercise_cells):
+            end = exercise_cells[n + 1]
+        else:  # the last exercise runs to the next section (Takeaways): a cell with a `#` or `##` heading
+            end = next((i for i in range(start + 1, len(cells)) if cells[i]["cell_type"] == "markdown"
+                        and re.search(r"^#{1,2}\s", source(cells[i]), re.M)), len(cells))
         following = cells[start + 1:end]
         solutions = [c for c in following if c["cell_type"] == "code" and SOLUTION_TAGS <= tags(c)]
         title = headings(source(cells[start]), 3)[0]
@@ -121,6 +156,32 @@ def standard_problems(nb_path: Path) -> list[str]:
             problems.append(f"'{title}' has no solution cell after it (a code cell tagged solution and hide-cell)")
         elif not any("assert" in source(c) for c in solutions):
             problems.append(f"'{title}': its solution asserts nothing, so it cannot fail")
+        first = next((i for i in range(start + 1, end) if any(cells[i] is c for c in solutions)), end)
+        for i in range(first, end):  # after the solution: only solution cells and collapsed answers
+            c = cells[i]
+            if "solution" in tags(c):
+                continue  # checked below, wherever it is
+            if c["cell_type"] == "code":
+                problems.append(f"cell {i}: a code cell after the solution of '{title}' that is not tagged "
+                                "solution: JupyterLab shows it, and Run All prints it")
+            elif c["cell_type"] == "markdown" and not is_collapsed_answer(c):
+                problems.append(f"cell {i}: markdown after the solution of '{title}' that is not a collapsed "
+                                "answer (one :::{dropdown} with metadata.jupyter.source_hidden true)")
+        if solutions and end < len(cells) and text_before_heading(cells[end]).strip():
+            problems.append(f"cell {end}: text above its heading follows the solution of '{title}': an answer? "
+                            "Move it to a markdown cell of its own, collapsed (a :::{dropdown} with "
+                            "metadata.jupyter.source_hidden true)")
+    for i, c in enumerate(cells):  # solutions and answers are collapsed wherever they are
+        if "solution" in tags(c) and c["cell_type"] == "code" and not is_solution_code(c):
+            problems.append(f"cell {i}: a solution code cell must carry the tags solution and hide-cell "
+                            "(collapsed in the book) and metadata.jupyter.source_hidden and outputs_hidden "
+                            "true (collapsed in JupyterLab)")
+        elif "solution" in tags(c) and c["cell_type"] == "markdown" and not is_collapsed_answer(c):
+            problems.append(f"cell {i}: a markdown cell tagged solution must be one :::{{dropdown}} "
+                            "(collapsed in the book) with metadata.jupyter.source_hidden true (in JupyterLab)")
+        elif c["cell_type"] == "markdown" and ANSWER_WORDS.match(source(c)) and not is_collapsed_answer(c):
+            problems.append(f"cell {i}: an answer in plain markdown ({source(c).strip()[:30]!r}): put it in one "
+                            ":::{dropdown} Answer with metadata.jupyter.source_hidden true")
 
     # 6. Takeaways and further reading.
     everything = "\n".join(markdown)
@@ -189,16 +250,25 @@ GOOD = {
         {"cell_type": "markdown", "metadata": {}, "source": "**Predict.** What will x be?"},
         {"cell_type": "code", "metadata": {}, "source": "ch09.draw_idea(x)\n", "outputs": []},
         {"cell_type": "markdown", "metadata": {}, "source": "## Exercises\n\n### Exercise 1. Change x\n"},
-        {"cell_type": "code", "metadata": {"tags": ["solution", "hide-cell"]}, "source": "assert x == 1\n",
+        {"cell_type": "code", "metadata": {"jupyter": {"outputs_hidden": True, "source_hidden": True},
+                                           "tags": ["solution", "hide-cell"]}, "source": "assert x == 1\n",
          "outputs": []},
         {"cell_type": "markdown", "metadata": {}, "source": "### Exercise 2. Change it again\n"},
-        {"cell_type": "code", "metadata": {"tags": ["solution", "hide-cell"]}, "source": "assert x\n",
+        {"cell_type": "code", "metadata": {"jupyter": {"outputs_hidden": True, "source_hidden": True},
+                                           "tags": ["solution", "hide-cell"]}, "source": "assert x\n",
          "outputs": []},
         {"cell_type": "markdown", "metadata": {}, "source":
             "## Takeaways\n- x is one\n\n## Further reading\n- [a](https://a.example)\n- [b](https://b.example)\n"},
     ],
     "metadata": {}, "nbformat": 4, "nbformat_minor": 5,
 }
+
+
+def markdown_answer(text: str, *, hidden: bool | None, tagged: bool = False) -> dict:
+    metadata = {"jupyter": {"source_hidden": hidden}} if hidden is not None else {}
+    if tagged:
+        metadata["tags"] = ["solution"]
+    return {"cell_type": "markdown", "metadata": metadata, "source": text}
 
 
 def write(tmp_path, nb) -> Path:
@@ -225,6 +295,26 @@ def test_the_standard_accepts_a_lesson(tmp_path):
     (lambda c: c[3].update(source='display(Markdown(f"x is {x}"))\n'), "builds Markdown"),
     (lambda c: c[2].update(source="**Predict.** As the seed said."), "'the seed'"),
     (lambda c: c[2].update(source="**Predict.** We beat the goal 1.6x."), "goal N.Nx"),
+    # Solutions and answers collapsed in JupyterLab as in the book.
+    (lambda c: c[5]["metadata"]["jupyter"].pop("source_hidden"), "cell 5: a solution code cell must carry"),
+    (lambda c: c[7]["metadata"]["jupyter"].update(outputs_hidden=False), "cell 7: a solution code cell must carry"),
+    (lambda c: c[7]["metadata"].pop("jupyter"), "collapsed in JupyterLab"),
+    (lambda c: c.insert(6, markdown_answer("*Answer.* x stays one.", hidden=None)),
+     "cell 6: markdown after the solution of 'Exercise 1. Change x'"),
+    (lambda c: c.insert(6, markdown_answer("**Answer.** x stays one.", hidden=None)), "an answer in plain markdown"),
+    (lambda c: c.insert(6, markdown_answer(":::{dropdown} Answer\nx stays one.\n:::", hidden=False)),
+     "not a collapsed answer"),
+    (lambda c: c.insert(6, markdown_answer(":::{dropdown} Answer\nx stays one.\n:::\nAnd more.", hidden=True)),
+     "not a collapsed answer"),
+    (lambda c: c.insert(6, markdown_answer("x stays one.", hidden=True, tagged=True)),
+     "a markdown cell tagged solution must be one"),
+    (lambda c: c[6].update(source="So x stays one.\n\n### Exercise 2. Change it again\n"),
+     "cell 6: text above its heading follows the solution of 'Exercise 1. Change x'"),
+    (lambda c: c[8].update(source="(And x stays one.)\n\n" + c[8]["source"]),
+     "cell 8: text above its heading follows the solution of 'Exercise 2. Change it again'"),
+    (lambda c: c.insert(8, {"cell_type": "code", "metadata": {}, "source": "print(x)\n", "outputs": []}),
+     "cell 8: a code cell after the solution of 'Exercise 2. Change it again' that is not tagged solution"),
+    (lambda c: c[2].update(source="Solution: x is one."), "an answer in plain markdown"),
 ])
 def test_the_standard_catches_what_it_promises(tmp_path, break_it, expected):
     nb = json.loads(json.dumps(GOOD))
@@ -237,3 +327,59 @@ def test_a_random_seed_is_not_an_internal_word(tmp_path):
     nb = json.loads(json.dumps(GOOD))
     nb["cells"][2]["source"] = "**Predict.** Same random seed, same data: `seed=42`; the seed value is fixed."
     assert standard_problems(write(tmp_path, nb)) == []
+
+
+@pytest.mark.parametrize("fence", [":::", "```", "::::"])
+def test_the_standard_accepts_an_answer_in_a_collapsed_dropdown(tmp_path, fence):
+    nb = json.loads(json.dumps(GOOD))
+    answer = markdown_answer(f"{fence}{{dropdown}} Answer\n*Answer.* x stays **one**.\n\nTwo paragraphs.\n{fence}\n",
+                             hidden=True, tagged=True)
+    nb["cells"][8:8] = [answer, dict(answer, metadata={"jupyter": {"source_hidden": True}})]
+    assert standard_problems(write(tmp_path, nb)) == []
+
+
+def planted(tmp_path, notebook: Path, plant) -> list[str]:
+    """The problems of a copy of a chapter (same file name, in tmp_path) with one violation planted."""
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    plant(nb["cells"])
+    copy = tmp_path / notebook.name
+    copy.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return standard_problems(copy)
+
+
+@pytest.mark.parametrize("notebook", sorted(paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("flag", HIDDEN_FLAGS)
+def test_a_chapter_with_a_solution_shown_in_jupyterlab_fails(tmp_path, notebook, flag):
+    assert planted(tmp_path, notebook, lambda cells: None) == []  # the copy itself meets the standard
+    found = {}
+
+    def drop_flag(cells):
+        found["index"] = max(i for i, c in enumerate(cells) if c["cell_type"] == "code" and "solution" in tags(c))
+        del cells[found["index"]]["metadata"]["jupyter"][flag]
+
+    problems = planted(tmp_path, notebook, drop_flag)
+    assert any(p.startswith(f"cell {found['index']}: a solution code cell must carry") for p in problems), problems
+
+
+def chapters_with_answers_in_words() -> list[Path]:
+    return [nb for nb in sorted(paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+            if any(c["cell_type"] == "markdown" and "solution" in tags(c)
+                   for c in json.loads(nb.read_text(encoding="utf-8"))["cells"])]
+
+
+def test_some_chapters_answer_in_words():
+    assert {nb.name[:2] for nb in chapters_with_answers_in_words()} >= {"00", "01"}
+
+
+@pytest.mark.parametrize("notebook", chapters_with_answers_in_words(), ids=lambda p: p.stem)
+def test_a_chapter_with_an_answer_shown_in_plain_markdown_fails(tmp_path, notebook):
+    found = {}
+
+    def unwrap(cells):  # the first answer back as it was: plain markdown, neither tagged nor hidden
+        found["index"] = next(i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and "solution" in tags(c))
+        cell = cells[found["index"]]
+        body = DROPDOWN.match(source(cell)).group(0).strip().splitlines()[1:-1]
+        cell.update(metadata={}, source="\n".join(body))
+
+    problems = planted(tmp_path, notebook, unwrap)
+    assert any(p.startswith(f"cell {found['index']}: markdown after the solution of") for p in problems), problems

@@ -24,6 +24,7 @@ Read it bottom up, layer by layer: a module imports only from its own layer and 
   generate     fixed-config generation for before/after answers                                        ch. 01
   keyfacts     key-fact accuracy: which of an answer's expected facts it states                         ch. 01
   layer_split  which decoder layers each pipeline stage holds (the pipelines, planner and inference)   ch. 04
+  machine      what this machine has (cores, GPUs, root, Slurm, namespaces) and each chapter's `auto` values ch. 00
   compat       the one door to private torch/DeepSpeed symbols, each with its checked version
 
 2. measure/     watching a run from outside the training code: envcheck, limits, utilisation, meter,    ch. 00-04

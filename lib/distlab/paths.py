@@ -22,3 +22,23 @@ EVAL_FILE = DATA_DIR / "support" / "eval.jsonl"
 PARAPHRASES = DATA_DIR / "support" / "paraphrases.jsonl"  # held-out questions written apart from the templates
 DEMO_PROMPTS = DATA_DIR / "prompts" / "demo_prompts.jsonl"
 
+
+
+def figures_for_notebook(given: str | Path | None = None) -> Path:
+    """Where a chapter writes its figures and tables: the folder it was given; figures/ while the book is
+    regenerated (distlab.publish.regenerate exports DISTLAB_PROFILE, or DISTLAB_FIGURES for another folder);
+    otherwise build/figures/, so a chapter run in JupyterLab never rewrites the committed figures."""
+    if given:
+        return Path(given)
+    if "DISTLAB_FIGURES" in os.environ or "DISTLAB_PROFILE" in os.environ:
+        return FIGURES_DIR
+    return BUILD_DIR / "figures"
+
+
+def chapter_folders(given_figures: str | Path | None, chapter: str) -> tuple[Path, Path]:
+    """(the chapter's figures folder, figures_for_notebook; build/<chapter>/ for its scripts and traces),
+    both created."""
+    figures, work = figures_for_notebook(given_figures), BUILD_DIR / chapter
+    for folder in (figures, work):
+        folder.mkdir(parents=True, exist_ok=True)
+    return figures, work

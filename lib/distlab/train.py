@@ -117,7 +117,9 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
     reset_peak_memory(host)
     host_before_load = psutil.Process().memory_info().rss  # the interpreter and its libraries
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
-    host_peak_at_load = peak_memory_bytes(host)
+    # VmHWM is updated lazily by the kernel: it can miss a rise that was already sampled above, so the
+    # peak includes its own starting sample and can never read below it
+    host_peak_at_load = max(host_before_load, peak_memory_bytes(host))
     n_total, n_trainable = count_parameters(model)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)

@@ -18,11 +18,12 @@ from distlab import paths
 from distlab.config import LORA_TARGETS
 from distlab.generate import adapter_keyfact_accuracy
 from distlab.launch.process import run
-from distlab.measure import utilisation
+from distlab.measure import limits, utilisation
 from distlab.metrics import read_log
 from distlab.planning import memory
 from distlab.provenance import save_figure
 from distlab.results import scaling_table
+from distlab.workers.launcher import run_allreduce_bench
 
 # ---------------------------------------------------------------- the idea, drawn
 
@@ -76,11 +77,15 @@ def draw_data_parallel(path: str | Path, provenance: dict, layers: int = 4, buck
 # ---------------------------------------------------------------- scripts under torchrun
 
 
-def folders(figures_dir: str | Path | None, chapter: str = "ch02") -> tuple[Path, Path]:
-    """(the figures folder: the given one or figures/, build/<chapter>/ for the chapter's scripts and traces)."""
-    work = paths.BUILD_DIR / chapter
-    work.mkdir(parents=True, exist_ok=True)
-    return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
+def allreduce_limits(figures_dir: str | Path, nproc: int, device: str, timeout_s: float) -> pd.DataFrame:
+    """The all-reduce latency and bus bandwidth the cost model needs: chapter 00's measurement of this machine
+    when it was run (its device_limits.csv in `figures_dir`), otherwise measured now at chapter 00's two extreme
+    sizes (a latency-bound 4 KiB and a bandwidth-bound 16 MiB message), said so."""
+    if limits.limits_path(figures_dir).exists():
+        return limits.load_device_limits(figures_dir)
+    print(f"{limits.limits_path(figures_dir)} is missing (chapter 00 not run here): measuring the all-reduce now")
+    sweep = run_allreduce_bench(nproc=nproc, sizes_kib=[4, 16384], timeout_s=timeout_s, device=device, echo=False)
+    return pd.DataFrame(limits.allreduce_rows(sweep), columns=limits.COLUMNS)
 
 
 def torchrun_module_or_script(target: str | Path, nproc: int = 2, args: Sequence[str] = (), timeout_s: int = 300,

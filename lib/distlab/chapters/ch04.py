@@ -21,7 +21,6 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
-from distlab import paths
 from distlab.attention import sdpa_backends
 from distlab.launch.local import launch_sweep, launch_training
 from distlab.layer_split import describe_split, split_layers
@@ -47,13 +46,6 @@ from distlab.strategies.split import StageModule
 # ---------------------------------------------------------------- the schedules, simulated and drawn
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}
-
-
-def folders(figures_dir: str | Path | None) -> tuple[Path, Path]:
-    """(the figures folder: the given one or figures/, build/ch04/ for the chapter's scripts)."""
-    work = paths.BUILD_DIR / "ch04"
-    work.mkdir(parents=True, exist_ok=True)
-    return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
 
 
 def bubble_formula(stages: int, microbatches: int, virtual: int = 1) -> float:

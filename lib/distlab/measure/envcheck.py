@@ -8,7 +8,6 @@ rank 0 flags the fields that differ.
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import socket
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.device import backend_for
+from distlab.machine import usable_cores
 from distlab.provenance import cpu_model, package_versions
 
 DIST_BACKENDS = ("nccl", "gloo", "mpi")
@@ -102,14 +102,6 @@ def distributed_backends() -> dict[str, bool]:
         return {b: False for b in DIST_BACKENDS}
     checks = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available, "mpi": dist.is_mpi_available}
     return {b: bool(checks[b]()) for b in DIST_BACKENDS}
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (a container or Slurm allocation can give fewer than the host has)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def cpu_and_memory() -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 
 from distlab import device as devmod
 from distlab import provenance as prov
-from distlab.measure.envcheck import usable_cores
+from distlab.machine import usable_cores
 from distlab.paths import FIGURES_DIR
 
 DEFAULT_SIZES_KIB = (4, 16, 64, 256, 1024, 4096, 16384, 65536)  # 4 KiB .. 64 MiB, as a DDP bucket grows
