@@ -10,25 +10,38 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test test-fast lint book notebooks site publish lock clean help deepspeed-op debian models benchmarks
+.PHONY: all env test test-fast test-attendee lint book notebooks site publish lock clean help deepspeed-op debian models benchmarks
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
 	@echo "              (FORCE=1: run every notebook; PROFILE=gpu|quick: another parameter profile)"
 	@echo "make test   - set up, lint (ruff), run the test suite"
 	@echo "make test-fast - lint and the unit tests only (pytest -m 'not slow': no torchrun, notebooks, book, clusters), under 3 min"
+	@echo "make test-attendee - every chapter's quick profile as a workshop attendee: normal user, one core each,"
+	@echo "              no GNU timeout/ip/tc/Slurm/compiler on PATH; prints what each chapter skipped"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
 	@echo "make benchmarks - measure the book appendix's benchmark tables again (distlab vs HF Trainer vs TRL, the recipe)"
 	@echo "make publish REMOTE=... - push the built site to REMOTE's gh-pages branch (ghp-import)"
 
 env: $(STAMP)
 
+# Before any pip: $(VENV) is a virtual environment whose python runs and has pip. tools/check_venv.sh makes a
+# missing one with $(PYTHON) and ends with one line naming the fix for the rest (a dangling bin/python after the
+# system Python changed, a half-made venv, no python3-venv, a Python older than 3.10). Phony and order-only: it
+# runs on every use, and an up-to-date stamp stays up to date.
+.PHONY: venv-check
+venv-check:
+	@bash tools/check_venv.sh "$(VENV)" "$(PYTHON)"
+
+# TORCH_INDEX=<index URL>: where pip takes torch from. PyPI's Linux x86_64 wheel is the CUDA build (with several
+# GB of NVIDIA libraries); https://download.pytorch.org/whl/cpu gives the CPU build on a machine without a GPU.
+TORCH_INDEX ?=
+
 # Torch first, alone, so pip takes the local CPU build of 2.13.0; then everything else
 # under the lock as a constraint so nothing replaces it.
-$(STAMP): requirements.lock pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(STAMP): requirements.lock pyproject.toml | venv-check
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)",)
 	$(PY) -m pip install -q -r requirements.lock -c requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
@@ -36,8 +49,11 @@ $(STAMP): requirements.lock pyproject.toml
 
 # DeepSpeed JIT-compiles a C++ communication op on first use (about a minute on 2 cores). Build it once per
 # machine into the persistent cache (distlab.strategies.deepspeed_runtime.extensions_dir) before tests and notebooks need it.
+# It needs a C++ compiler and Python's headers: where they are missing it says so in one line. Asked for by name
+# (`make deepspeed-op`) or under `make test`, that fails; under `make book`/`make notebooks` the book goes on
+# (--optional), and a chapter skips its DeepSpeed runs with the same line (deepspeed_unavailable_reason).
 deepspeed-op: $(STAMP)
-	$(PY) -c 'from distlab.strategies.deepspeed_runtime import prebuild_comm_op; prebuild_comm_op()'
+	$(PY) -m distlab.strategies.deepspeed_runtime $(if $(filter book notebooks,$(MAKECMDGOALS)),--optional,)
 
 # Debian packages the tests drive for real (chromium, shellcheck, iproute2, slurm-wlm, munge): installed when
 # missing (needs root); a no-op when present.
@@ -56,6 +72,12 @@ test: $(STAMP) debian deepspeed-op models lint
 # Slurm clusters, DeepSpeed's JIT op, anything over ~5 s) are left out; `make test` still runs them all.
 test-fast: $(STAMP) models lint
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Every chapter's quick profile as a workshop attendee runs it: a normal user (as root: a system user made for it),
+# one core per chapter, no GNU timeout, ip, tc, Slurm, munge or C++ compiler on PATH. Prints what each chapter
+# skipped and why. `make test` runs the same (tests/test_notebooks.py), then builds the book from its output.
+test-attendee: $(STAMP) deepspeed-op models
+	$(PY) -m distlab.publish.attendee
 
 # ruff, configured in pyproject.toml: line length, import order, unused names, over lib, tests and notebooks.
 lint: $(STAMP)

@@ -278,8 +278,10 @@ def exec_command(script: str) -> list[str]:
 def test_quoting_round_trips_through_shlex():
     script = torchrun.render_script(nasty_spec())
     words = exec_command(script)
-    assert words[:5] == ["exec", "timeout", "--foreground", "--kill-after=60s", "60s"]
-    assert words[5:8] == ["$PYTHON", "-m", "torch.distributed.run"]  # "$PYTHON" stays a quoted expansion
+    # The hard limit is distlab's watchdog (no GNU `timeout`: macOS lacks it), run by the same interpreter.
+    assert words[:9] == ["exec", "$PYTHON", "-m", "distlab.launch.watchdog", "--timeout-s", "60", "--kill-after-s",
+                         "60", "--"]
+    assert words[9:12] == ["$PYTHON", "-m", "torch.distributed.run"]  # "$PYTHON" stays a quoted expansion
     assert words[-len(NASTY) - 2:] == ["-m", "some.entry", *NASTY]
     assert words[words.index("--log-dir") + 1] == "logs/with space $(touch PWNED6)"
     export = next(ln for ln in script.splitlines() if ln.startswith("export DISTLAB_NASTY="))
@@ -321,7 +323,8 @@ def test_quoted_values_reach_the_program_verbatim(tmp_path):
     work.mkdir()
     argv = run_fake(script, work, tmp_path / "argv")
     assert argv[0] == str(odd)  # the spec's interpreter, found through its odd path
-    assert argv[1:] == ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+    assert argv[1:8] == ["-m", "distlab.launch.watchdog", "--timeout-s", "60", "--kill-after-s", "60", "--"]
+    assert argv[8:] == [str(odd), "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                         "--max-restarts", "0", "--standalone", "--log-dir", "logs/with space $(touch PWNED6)",
                         "--tee", "3", "-m", "some.entry", *NASTY]
     assert (tmp_path / "argv.env").read_text() == NASTY_ENV
@@ -415,6 +418,35 @@ def test_generated_script_runs_the_fingerprint_job(tmp_path):
     assert len(list((tmp_path / "logs").rglob("stdout.log"))) == 2  # torchrun --log-dir, one per rank
 
 
+def path_without_timeout(tmp_path: Path) -> str:
+    """A PATH holding only what a generated single-node script calls besides the interpreter: no `timeout`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "mkdir"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    assert shutil.which("timeout", path=str(bin_dir)) is None
+    return str(bin_dir)
+
+
+HELLO = 'import os; print(f"hello from rank {os.environ[\'RANK\']} of {os.environ[\'WORLD_SIZE\']}", flush=True)\n'
+
+
+@pytest.mark.slow
+def test_a_generated_script_runs_where_no_timeout_exists(tmp_path):
+    """macOS has no coreutils `timeout`: the script's hard limit must not need one. A real torchrun on CPU."""
+    (tmp_path / "hello_mod.py").write_text(HELLO)
+    spec = LaunchSpec(module="hello_mod", nproc_per_node=2, log_dir="logs/hello", timeout_s=120, kill_after_s=35,
+                      env={"OMP_NUM_THREADS": "1", "PYTHONPATH": "."}, repo_root="..")
+    script = torchrun.write_scripts(spec, tmp_path / "launch", "hello")[0]
+    env = {**os.environ, "PATH": path_without_timeout(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run([shutil.which("bash"), str(script)], cwd=tmp_path / "launch", env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"[default{rank}]:hello from rank {rank} of 2" in proc.stdout + proc.stderr
+    assert (tmp_path / "logs" / "hello").is_dir()  # the script changed to its repo_root first
+
+
 SLEEPER = textwrap.dedent("""
     import os, time
     print(f"rank {os.environ['RANK']} PID {os.getpid()}", flush=True)
@@ -424,8 +456,9 @@ SLEEPER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_hard_limit_stops_torchrun_and_its_ranks(tmp_path):
-    """The script's own `timeout`: SIGTERM to torchrun at the limit, which stops its ranks (they run
-    in sessions of their own), exit status 124. Here torchrun's shutdown grace is 2 s, not 30."""
+    """The script's own limit (distlab.launch.watchdog): SIGTERM to torchrun at the limit, which stops its ranks
+    (they run in sessions of their own), exit status 124. Here torchrun's shutdown grace is 2 s, not 30. No
+    coreutils `timeout` on PATH, as on macOS: the limit must not need it."""
     (tmp_path / "sleeper_mod.py").write_text(SLEEPER)
     spec = LaunchSpec(module="sleeper_mod", nproc_per_node=2, log_dir="logs", timeout_s=8, kill_after_s=5,
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ".", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
@@ -437,8 +470,8 @@ def test_hard_limit_stops_torchrun_and_its_ranks(tmp_path):
             ranks.append(psutil.Process(int(line.rsplit(" ", 1)[1])))
 
     try:
-        result = process.run(["bash", str(script)], timeout_s=60, cwd=tmp_path, echo=watch, check=False,
-                            env={"PYTHON": sys.executable})
+        result = process.run([shutil.which("bash"), str(script)], timeout_s=60, cwd=tmp_path, echo=watch,
+                             check=False, env={"PYTHON": sys.executable, "PATH": path_without_timeout(tmp_path)})
         assert result.returncode == 124 and not result.timed_out  # the script's limit, not the runner's
         assert len(ranks) == 2
         assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

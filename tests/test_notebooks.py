@@ -1,18 +1,19 @@
-"""Every chapter end to end, as `make book` runs it: papermill with the quick profile, the Jupyter
-Book build, and every page checked in headless Chromium. Writes only to a temporary folder."""
+"""Every chapter end to end, as a workshop attendee runs it (distlab.publish.attendee: papermill with the quick
+profile as a normal user, one core per chapter, no timeout/ip/tc/Slurm/compiler on PATH), then the Jupyter Book
+build from those executed chapters, and every page checked in headless Chromium. Writes only to a temporary
+folder. The root-only paths of chapters 05-07 (emulated hosts, the Slurm cluster) run in `make book`, and their
+mechanisms in tests/test_lan*.py, test_slurm.py, test_inference_resume.py and test_tp_links.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from distlab import paths
-from distlab.publish import book_build, mathjax, site_check
+from distlab.publish import attendee, book_build, mathjax, site_check
 
 pytestmark = pytest.mark.slow
 
@@ -20,14 +21,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     root = tmp_path_factory.mktemp("book")
-    out, figures, work = root / "notebooks", root / "figures", root / "work"
-    proc = subprocess.run([sys.executable, "-m", "distlab.publish.regenerate", "--profile", "quick",
-                           "--out-dir", str(out), "--figures-dir", str(figures), "--work-dir", str(work),
-                           "--timeout-s", "900", "--force", "--cache-dir", str(root / "cache")],
-                          capture_output=True, text=True, timeout=2400)
-    print(proc.stdout[-4000:], proc.stderr[-4000:])
-    assert proc.returncode == 0, f"regenerate failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return root, out, figures, work
+    summary = attendee.attend(root)
+    print("\n".join(attendee.skipped_lines(root / "notebooks")))
+    failed = [f"{n['name']}: cell {n['failing_cell']}: {n['message']}" for n in summary.get("notebooks", [])
+              if n["status"] != "ok"]
+    logs = "\n".join((root / f"lane{i}.log").read_text()[-3000:] for i in range(2) if (root / f"lane{i}.log").exists())
+    assert summary["ok"], "a chapter failed as an attendee runs it:\n" + "\n".join(failed) + "\n" + logs
+    return root, root / "notebooks", root / "figures", root
 
 
 def test_every_notebook_executes_and_stays_clean_in_git(executed):

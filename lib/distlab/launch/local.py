@@ -5,6 +5,11 @@ streamed into the notebook, every process killed on failure).
     job = launch_training("ddp_ws2", world_size=2, overrides={"strategy": "ddp", "max_steps": 50})
     job.log  # build/runs/ddp_ws2/train_log.jsonl
     jobs = launch_sweep("ga", 2, {"strategy": "ddp"}, {"ga2": {"grad_accum": 2}, "ga4": {"grad_accum": 4}})
+
+Before anything is written or started, a launch whose runs put their ranks on GPUs (device=cuda, or auto on
+a machine with CUDA) is refused with one line when it asks for more ranks than there are visible CUDA
+devices (check_gpu_ranks): NCCL takes one GPU per rank, and a rank without one would fail only after
+torchrun had started every rank.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from typing import Any, Mapping
 
 import yaml
 
-from distlab.config import PIPELINE_STRATEGIES
+from distlab.config import PIPELINE_STRATEGIES, load_config
 from distlab.launch.process import RunResult, run
 from distlab.launch.spec import LaunchSpec
-from distlab.launch.torchrun import write_scripts
+from distlab.launch.torchrun import plural, write_scripts
 from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
 
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
@@ -44,6 +49,40 @@ def max_local_ranks(device: str = "auto") -> tuple[int, str]:
         return n, f"{n} GPU(s), one rank each"
     cores = usable_cores()
     return cores * CPU_RANKS_PER_CORE, f"{cores} usable CPU core(s) x {CPU_RANKS_PER_CORE} ranks per core"
+
+
+class GpuRanksError(ValueError):
+    """A local launch asks for more GPU ranks than this machine has visible CUDA devices."""
+
+
+def check_gpu_ranks(ranks: int, device: str, gpus: int | None = None) -> None:
+    """Refuse `ranks` local ranks on `device` (a config's: auto, cpu, cuda, cuda:N) when they would run on GPUs
+    and there are fewer visible CUDA devices than ranks. `gpus`: how many are visible (None: count them; a
+    caller that knows, or a test on a machine without GPUs, passes the number)."""
+    if device == "cpu":
+        return
+    if gpus is None:
+        import torch  # deferred: only a launch that may run on GPUs asks torch how many there are
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto" and gpus == 0:
+        return  # auto runs its ranks on CPU here
+    if gpus == 0:
+        raise GpuRanksError(f"{plural(ranks, 'rank')} on device={device}, but this machine has no visible CUDA "
+                            "GPU: set device=cpu to run gloo ranks on CPU")
+    if ranks > gpus:
+        raise GpuRanksError(f"{plural(ranks, 'GPU rank')} per node (device={device}), but this machine has "
+                            f"{plural(gpus, 'visible CUDA GPU')}, one per rank: launch at most "
+                            f"{plural(gpus, 'rank')}, or set device=cpu to run {ranks} gloo ranks on CPU")
+
+
+def _check_gpu_ranks_of(world_size: int, config: str | Path, runs: list[Mapping[str, Any]]) -> None:
+    """check_gpu_ranks for every run of a launch: its `device` override, else the config file's."""
+    devices = {str(run["device"]) for run in runs if run.get("device") is not None}
+    if any(run.get("device") is None for run in runs):
+        devices.add(load_config(config).device)
+    for device in sorted(devices):
+        check_gpu_ranks(world_size, device)
 
 
 @dataclass
@@ -107,6 +146,7 @@ def launch_training(name: str, world_size: int, overrides: Mapping[str, Any] | N
                     fresh: bool = True, scripts_dir: Path = SCRIPTS_DIR) -> TrainJob:
     """Write <scripts_dir>/<name>.sh (build/launch/ by default) and run it. `fresh` clears the run folder
     first (a resume test passes fresh=False to keep the checkpoints)."""
+    _check_gpu_ranks_of(world_size, config, [overrides or {}])
     spec = training_spec(name, world_size, overrides or {}, config, max_restarts, env, timeout_s, runs_dir)
     return _launch(spec, name, [name], timeout_s, runs_dir, echo, check, fresh, scripts_dir)[name]
 
@@ -121,6 +161,7 @@ def launch_sweep(name: str, world_size: int, overrides: Mapping[str, Any], varia
     script, console log and wall time (`.result`). Returns {run name: TrainJob}, in order."""
     if not variants:
         raise ValueError(f"{name}: a sweep needs at least one variant")
+    _check_gpu_ranks_of(world_size, config, [{**overrides, **extra} for extra in variants.values()])
     spec = training_spec(name, world_size, overrides, config, 0, env, timeout_s, runs_dir, variants=variants)
     return _launch(spec, name, list(variants), timeout_s, runs_dir, echo, check, True, scripts_dir)
 
@@ -132,7 +173,7 @@ def _launch(spec: LaunchSpec, name: str, run_names: list[str], timeout_s: int, r
         for run_name in {name, *run_names}:
             shutil.rmtree(Path(runs_dir) / run_name, ignore_errors=True)
     script = write_scripts(spec, Path(scripts_dir), name)[0]
-    # The script's own `timeout` fires first; the runner's limit is the backstop.
+    # The script's own limit (distlab.launch.watchdog) fires first; the runner's limit is the backstop.
     result = run(["bash", str(script)], timeout_s=timeout_s + 60, log_path=launch_dir / "console.log",
                  env={"PYTHON": sys.executable}, echo=echo, check=check, cwd=os.getcwd())
     return {run_name: TrainJob(run_name, script, Path(runs_dir) / run_name, result) for run_name in run_names}

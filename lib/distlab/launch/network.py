@@ -8,12 +8,17 @@ sockets, more TCP streams per peer) and `rdma-infiniband` (IB/RoCE HCAs with GPU
 variable has a value and a one-line reason, which the generated scripts print above its `export`. A
 variable that the spec's own `env` sets keeps the spec's value (an interface name, say), so a preset is a
 starting point, not a cage. An unknown name raises an error that lists the valid ones.
+
+`loopback_ifname()` names this machine's loopback interface (`lo` on Linux, `lo0` on macOS and the BSDs),
+which GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME need when every "node" of a job runs on localhost.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +92,29 @@ def describe(name: str | None = None) -> str:
         lines += [f"- `{var}={value}`: {preset.reasons[var]}" for var, value in preset.env.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+LOOPBACK_ADDRESS = "127.0.0.1"
+
+
+def loopback_ifname() -> str:
+    """The name of this machine's loopback interface, read from the system: the interface flagged loopback
+    that carries 127.0.0.1 (gloo binds to the interface named, so it must be the one holding that address).
+    When the system cannot say, the usual name for this platform (default_loopback)."""
+    import psutil  # deferred: only a localhost launch asks for interfaces; reading presets needs no psutil
+
+    try:
+        flags = {name: stats.flags.split(",") for name, stats in psutil.net_if_stats().items()}
+        addresses = psutil.net_if_addrs()
+    except (OSError, psutil.Error):  # a sandbox that hides the interfaces
+        flags, addresses = {}, {}
+    loopbacks = [name for name, words in flags.items() if "loopback" in words]
+    for name in loopbacks:
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK_ADDRESS for a in addresses.get(name, ())):
+            return name
+    return loopbacks[0] if loopbacks else default_loopback()
+
+
+def default_loopback(platform: str = sys.platform) -> str:
+    """The loopback's usual name on `platform` (a sys.platform value): lo0 on macOS and the BSDs, lo on Linux."""
+    return "lo0" if platform == "darwin" or "bsd" in platform else "lo"

@@ -93,7 +93,7 @@ def _running(p) -> bool:
         return False
 
 
-def _track(pgid: int, seen: dict) -> None:
+def track_tree(pgid: int, seen: dict) -> None:
     """Remember every current descendant of the group's leader (pid -> psutil.Process), and
     forget those already gone (a long job may start many short-lived helpers)."""
     for pid in [pid for pid, p in seen.items() if not _running(p)]:
@@ -288,7 +288,7 @@ def run(
                 proc.wait(timeout=min(TRACK_INTERVAL_S, remaining))
                 break
             except subprocess.TimeoutExpired:
-                _track(pgid, seen)
+                track_tree(pgid, seen)
     except BaseException:  # KeyboardInterrupt from a notebook's stop button
         kill_group(pgid, also=list(seen.values()))
         proc.wait()

@@ -11,18 +11,22 @@ same spec with each node rank) and a README.md saying which host runs which scri
 What every script does, in order: `set -euo pipefail`; optionally cd to the repository root
 (`repo_root`, relative to the folder the script is written into); pick the interpreter (the
 spec's `python`, or $PYTHON from the caller's environment); export each environment variable
-with a comment saying why; create the log folder; then `exec timeout ... python -m
-torch.distributed.run ...` (torchrun, run through the interpreter so that it and every rank use
-the same Python even where no torchrun is on PATH). Every value is quoted by distlab.launch.shell.quote; the
-output holds no timestamp and no path of the machine that wrote it, so it is deterministic.
+with a comment saying why; create the log folder; then `exec "$PYTHON" -m distlab.launch.watchdog
+... -- "$PYTHON" -m torch.distributed.run ...` (torchrun, run through the interpreter so that it and
+every rank use the same Python even where no torchrun is on PATH). Every value is quoted by
+distlab.launch.shell.quote; the output holds no timestamp and no path of the machine that wrote it,
+so it is deterministic. The scripts need bash and the interpreter, nothing GNU-only: they run on
+macOS as they do on Linux.
 
-Why every job runs under coreutils `timeout --kill-after`: a distributed job whose peer died waits
-in its rendezvous or inside a collective, possibly forever, holding GPU memory on every node. At
-`timeout_s` the script's job gets SIGTERM: torchrun forwards it to its ranks and SIGKILLs those
-still running after its shutdown timeout (30 s by default). torchrun starts each rank in a session
-of its own, so only torchrun can stop them; `kill_after_s` must therefore outlast that shutdown
-timeout before `timeout` SIGKILLs torchrun itself. `--foreground` keeps the job in the terminal's
-foreground process group, so Ctrl-C reaches torchrun even when the script is started from another
+Why every job runs under a hard limit: a distributed job whose peer died waits in its rendezvous or
+inside a collective, possibly forever, holding GPU memory on every node. The limit is
+distlab.launch.watchdog, GNU `timeout --kill-after`'s contract in Python (coreutils' `timeout` does
+not exist on macOS). At `timeout_s` torchrun's process group gets SIGTERM: torchrun forwards it to
+its ranks and SIGKILLs those still running after its shutdown timeout (30 s by default). torchrun
+starts each rank in a session of its own, so it is torchrun that stops them in order; `kill_after_s`
+must therefore outlast that shutdown timeout (LaunchSpec checks it) before the watchdog SIGKILLs
+torchrun and any rank still left. The watchdog runs torchrun in a session of its own and passes on
+SIGINT, SIGTERM and SIGHUP, so Ctrl-C reaches torchrun even when the script was started from another
 script. Exit status 124 means the limit was hit.
 
 `torchrun_flags` is the one place torchrun's command-line flags are built: the scripts here, the
@@ -220,12 +224,17 @@ def render_script(spec: LaunchSpec) -> str:
     out += ["# torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).",
             f"mkdir -p -- {quote(spec.log_dir)}",
             "",
-            f"# timeout: SIGTERM after {spec.timeout_s} s, which torchrun forwards to the ranks it started",
-            f"# (each in a session of its own); SIGKILL {spec.kill_after_s} s later, after torchrun's own",
-            f"# {spec.shutdown_timeout_s} s shutdown grace. Without a limit, a job whose peer died can wait in a",
-            "# rendezvous or a collective forever, holding GPUs on every node. --foreground: Ctrl-C",
-            "# reaches torchrun even when another script started this one. exec: nothing runs after.",
-            f"exec timeout --foreground --kill-after={spec.kill_after_s}s {spec.timeout_s}s \\",
+            "# The hard limit, distlab.launch.watchdog (GNU `timeout`'s contract; macOS has no `timeout`): after",
+            f"# {spec.timeout_s} s torchrun's process group gets SIGTERM, which torchrun forwards to the ranks it "
+            "started",
+            f"# (each in a session of its own); SIGKILL {spec.kill_after_s} s later, after torchrun's own "
+            f"{spec.shutdown_timeout_s} s shutdown grace,",
+            "# to torchrun and any rank still running. Exit status 124: limit hit. Without a limit, a job whose",
+            "# peer died can wait in a rendezvous or a collective forever, holding GPUs on every node. Ctrl-C,",
+            "# SIGTERM and SIGHUP reach torchrun through the watchdog, however this script was started.",
+            "# exec: nothing runs after.",
+            f'exec "$PYTHON" -m distlab.launch.watchdog --timeout-s {spec.timeout_s} '
+            f"--kill-after-s {spec.kill_after_s} -- \\",
             '  "$PYTHON" -m torch.distributed.run \\']
     flags = torchrun_flags(spec.nproc_per_node, **_rendezvous_of(spec), max_restarts=spec.max_restarts,
                            log_dir=spec.log_dir)

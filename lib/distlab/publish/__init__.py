@@ -2,6 +2,9 @@
 
   regenerate   run every notebook with papermill, in order, killed as a group on failure:
                python -m distlab.publish.regenerate [--profile cpu|gpu|quick] [--only NN]
+  attendee     every chapter's quick profile as a workshop attendee runs it: a normal user, one core each, no
+               timeout/ip/tc/Slurm/compiler on PATH; what each chapter skipped (make test-attendee):
+               python -m distlab.publish.attendee [--only NN ...]
   book         the command that builds the Jupyter Book offline and checks every page in headless Chromium:
                python -m distlab.publish.book [--check] [--fetch-mathjax]
   book_staging the book's build input: pages, executed notebooks, figures and tables, the generated

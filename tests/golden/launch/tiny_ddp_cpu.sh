@@ -23,12 +23,14 @@ export OMP_NUM_THREADS=1
 # torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).
 mkdir -p -- logs/tiny_ddp_cpu
 
-# timeout: SIGTERM after 900 s, which torchrun forwards to the ranks it started
-# (each in a session of its own); SIGKILL 60 s later, after torchrun's own
-# 30 s shutdown grace. Without a limit, a job whose peer died can wait in a
-# rendezvous or a collective forever, holding GPUs on every node. --foreground: Ctrl-C
-# reaches torchrun even when another script started this one. exec: nothing runs after.
-exec timeout --foreground --kill-after=60s 900s \
+# The hard limit, distlab.launch.watchdog (GNU `timeout`'s contract; macOS has no `timeout`): after
+# 900 s torchrun's process group gets SIGTERM, which torchrun forwards to the ranks it started
+# (each in a session of its own); SIGKILL 60 s later, after torchrun's own 30 s shutdown grace,
+# to torchrun and any rank still running. Exit status 124: limit hit. Without a limit, a job whose
+# peer died can wait in a rendezvous or a collective forever, holding GPUs on every node. Ctrl-C,
+# SIGTERM and SIGHUP reach torchrun through the watchdog, however this script was started.
+# exec: nothing runs after.
+exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 900 --kill-after-s 60 -- \
   "$PYTHON" -m torch.distributed.run \
   --nnodes 1 \
   --nproc-per-node 2 \

@@ -30,12 +30,14 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # torchrun writes each rank's stdout and stderr here (--tee 3 also shows them below).
 mkdir -p -- logs/lan_c10d
 
-# timeout: SIGTERM after 7200 s, which torchrun forwards to the ranks it started
-# (each in a session of its own); SIGKILL 90 s later, after torchrun's own
-# 45 s shutdown grace. Without a limit, a job whose peer died can wait in a
-# rendezvous or a collective forever, holding GPUs on every node. --foreground: Ctrl-C
-# reaches torchrun even when another script started this one. exec: nothing runs after.
-exec timeout --foreground --kill-after=90s 7200s \
+# The hard limit, distlab.launch.watchdog (GNU `timeout`'s contract; macOS has no `timeout`): after
+# 7200 s torchrun's process group gets SIGTERM, which torchrun forwards to the ranks it started
+# (each in a session of its own); SIGKILL 90 s later, after torchrun's own 45 s shutdown grace,
+# to torchrun and any rank still running. Exit status 124: limit hit. Without a limit, a job whose
+# peer died can wait in a rendezvous or a collective forever, holding GPUs on every node. Ctrl-C,
+# SIGTERM and SIGHUP reach torchrun through the watchdog, however this script was started.
+# exec: nothing runs after.
+exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 7200 --kill-after-s 90 -- \
   "$PYTHON" -m torch.distributed.run \
   --nnodes 3 \
   --nproc-per-node 1 \
