@@ -102,6 +102,33 @@ def test_the_cache_reuses_a_clean_execution_with_current_prose_and_restores_outp
     assert cache.lookup(nb.stem, "d1") is None  # a dirty tree's outputs are never reused
 
 
+def test_a_restored_copy_takes_new_cells_and_metadata_from_the_source_and_keeps_the_outputs(tmp_path, monkeypatch):
+    nb, _, figures = _chapter(tmp_path)
+    cache = freshness.ChapterCache(tmp_path / "cache")
+    monkeypatch.setattr(freshness, "git_commit", lambda: "abc1234")
+    doc = nbformat.read(str(nb), as_version=4)
+    code = next(c for c in doc.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", []))
+    code.outputs = [nbformat.v4.new_output("stream", text="an executed output\n")]
+    params = next(i for i, c in enumerate(doc.cells) if "parameters" in c.metadata.get("tags", []))
+    doc.cells.insert(params + 1, nbformat.v4.new_code_cell("max_steps = 3", metadata={"tags": ["injected-parameters"]}))
+    executed = tmp_path / "executed.ipynb"
+    nbformat.write(doc, str(executed))
+    cache.store(nb.stem, "d1", "cpu", executed, figures, cache.watch(figures))
+    source = nbformat.read(str(nb), as_version=4)  # the prose grows an answer, a code cell is collapsed
+    source.cells.insert(len(source.cells), nbformat.v4.new_markdown_cell(":::{dropdown} Answer\nNew.\n:::"))
+    collapsed = next(c for c in source.cells if c.get("id") == code["id"])
+    collapsed.metadata["jupyter"] = {"source_hidden": True}
+    nbformat.write(source, str(nb))
+    out = tmp_path / "out" / nb.name
+    cache.restore(nb.stem, nb, out, figures)
+    cells = nbformat.read(str(out), as_version=4).cells
+    assert [c.source for c in cells if c.cell_type == "markdown"] == [c.source for c in source.cells
+                                                                       if c.cell_type == "markdown"]
+    again = next(c for c in cells if c.get("id") == code["id"])
+    assert again.outputs[0]["text"] == "an executed output\n" and again.metadata["jupyter"] == {"source_hidden": True}
+    assert "injected-parameters" in cells[params + 1].metadata.get("tags", [])
+
+
 def test_check_on_folders_with_nothing_to_compare_is_an_error_not_a_pass(tmp_path):
     _, notebooks, figures = _chapter(tmp_path)
     empty = tmp_path / "empty"

@@ -223,15 +223,29 @@ class ChapterCache:
         return written
 
     def restore(self, stem: str, source_notebook: Path, out_path: Path, figures_dir: Path) -> list[str]:
-        """Write the cached executed copy with the source notebook's current markdown to `out_path`, and
-        copy back each cached output that differs from the figures folder's. Returns the outputs copied."""
+        """Write the cached executed copy, laid out as the source notebook is now, to `out_path`, and copy back
+        each cached output that differs from the figures folder's. Returns the outputs copied.
+
+        The cache is used only while the code cells are unchanged, so each code cell keeps its executed
+        outputs; everything else comes from the source: markdown cells (new, moved or edited), and every
+        cell's metadata (a solution collapsed in JupyterLab). papermill's injected-parameters cell stays
+        after the parameters cell."""
         target = self._dir(stem)
         executed = nbformat.read(str(target / "executed.ipynb"), as_version=4)
-        prose = {c.get("id"): c.source for c in nbformat.read(str(source_notebook), as_version=4).cells
-                 if c.cell_type == "markdown"}
-        for cell in executed.cells:
-            if cell.cell_type == "markdown" and cell.get("id") in prose:
-                cell.source = prose[cell["id"]]
+        source = nbformat.read(str(source_notebook), as_version=4)
+        ran = {c.get("id"): c for c in executed.cells if c.cell_type == "code"}
+        injected = [c for c in executed.cells if "injected-parameters" in c.get("metadata", {}).get("tags", [])]
+        cells = []
+        for cell in source.cells:
+            if cell.cell_type == "code" and cell.get("id") in ran:
+                done = ran[cell["id"]]
+                done.metadata = {**done.metadata, **cell.metadata}
+                cells.append(done)
+            else:
+                cells.append(cell)
+            if "parameters" in cell.get("metadata", {}).get("tags", []):
+                cells += injected
+        executed.cells = cells
         out_path.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(executed, str(out_path))
         rec = json.loads((target / "manifest.json").read_text())
