@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,15 +20,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("book")
+def executed():
+    # under /tmp itself: pytest's own temporary folders are closed to other users, and the chapters run as one
+    root = Path(tempfile.mkdtemp(prefix="distlab-attendee-"))
     summary = attendee.attend(root)
     print("\n".join(attendee.skipped_lines(root / "notebooks")))
     failed = [f"{n['name']}: cell {n['failing_cell']}: {n['message']}" for n in summary.get("notebooks", [])
               if n["status"] != "ok"]
     logs = "\n".join((root / f"lane{i}.log").read_text()[-3000:] for i in range(2) if (root / f"lane{i}.log").exists())
     assert summary["ok"], "a chapter failed as an attendee runs it:\n" + "\n".join(failed) + "\n" + logs
-    return root, root / "notebooks", root / "figures", root
+    yield root, root / "notebooks", root / "figures", root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_every_notebook_executes_and_stays_clean_in_git(executed):

@@ -19,6 +19,7 @@ import pytest
 
 from distlab.launch import local
 from distlab.launch.network import default_loopback, loopback_ifname
+from test_runner import kill_leftovers, survivors  # the process-tree helpers the runner's own tests use
 
 WATCHDOG = [sys.executable, "-m", "distlab.launch.watchdog"]
 
@@ -41,18 +42,6 @@ def wait_for(path: Path, proc: subprocess.Popen, within_s: float = 15.0) -> str:
         assert proc.poll() is None, f"the watchdog ended ({proc.returncode}) before the command was ready"
         time.sleep(0.02)
     raise AssertionError(f"the command did not write {path} within {within_s} s")
-
-
-def running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """Those still running; a zombie counts as gone (its parent, maybe a container's PID 1, has not reaped it)."""
-    alive = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 # ------------------------------------------------------------------ the watchdog
@@ -82,13 +71,12 @@ def test_the_limit_kills_the_whole_tree_even_what_ignores_sigterm_and_exits_124(
         tree = [psutil.Process(int(pid)) for pid in wait_for(pids, proc).split()]
         assert proc.wait(timeout=30) == 124
         elapsed = time.monotonic() - t0
-        assert running(tree) == [], "the watchdog left part of the command's tree running"
+        assert survivors(tree) == [], "the watchdog left part of the command's tree running"
         # SIGTERM was ignored by all three: only the SIGKILL, kill_after_s after the limit, ended them.
         assert limit_s + kill_after_s <= elapsed < limit_s + kill_after_s + 5
     finally:
         proc.kill()
-        for p in running(tree):
-            p.kill()
+        kill_leftovers(tree)
 
 
 # The command starts a child in a session of its own (as torchrun starts a rank), writes its pid, and exits
@@ -109,11 +97,10 @@ def test_what_the_command_left_running_is_stopped_when_it_ends(tmp_path):
     try:
         orphan = [psutil.Process(int(wait_for(pid_file, proc)))]
         assert proc.wait(timeout=30) == 0
-        assert running(orphan) == []
+        assert survivors(orphan) == []
     finally:
         proc.kill()
-        for p in running(orphan):
-            p.kill()
+        kill_leftovers(orphan)
 
 
 @pytest.mark.parametrize("code, status", [("import sys; sys.exit(0)", 0), ("import sys; sys.exit(3)", 3),

@@ -99,7 +99,8 @@ class Machine:
 
     def table(self) -> list[tuple[str, str]]:
         """(fact, value) rows for a notebook's opening."""
-        gpus = ", ".join(f"{g.name} ({g.memory_bytes / 2**30:.1f} GiB)" for g in self.gpus) or "none"
+        kinds = {g: sum(1 for h in self.gpus if h == g) for g in self.gpus}  # a node's GPUs are usually alike
+        gpus = ", ".join(f"{n} x {g.name} ({g.memory_bytes / 2**30:.1f} GiB)" for g, n in kinds.items()) or "none"
         return [("system", self.system), ("usable cores", str(self.cores)), ("GPUs", gpus),
                 ("root", yes(self.root)), ("network namespaces (root, ip, tc)", yes(self.netns)),
                 ("Slurm cluster (root, slurm-wlm, munge)", yes(self.slurm_cluster)),
@@ -218,7 +219,9 @@ class Sections:
     """Which sections of a chapter ran on this machine, and why the others did not.
 
     `run(title, *needs)` is True when the machine has every need; otherwise it prints one line (the section,
-    what is missing, how to get it) and returns False, and the chapter goes on. `table()` lists them all."""
+    what is missing, how to get it) and returns False, and the chapter goes on. `claim(claim, *why_nots)` does
+    the same for one assertion inside a section that ran (a timing claim without a core per rank, a claim about
+    link rates on unshaped links). `table()` lists them all."""
 
     def __init__(self, machine: Machine):
         self.machine = machine
@@ -235,6 +238,16 @@ class Sections:
     def skip(self, title: str, reason: str) -> None:
         print(f"skipped: {title}: {reason}")
         self.rows.append((title, f"skipped: {reason}"))
+
+    def claim(self, claim: str, *why_nots: str | None) -> bool:
+        """True when no reason stops `claim` from being checked here (each of `why_nots` is None, e.g.
+        `machine.timing_skip(ranks)`); else ONE printed line with the first reason, a row, and False."""
+        why = next((w for w in why_nots if w), None)
+        if why is None:
+            return True
+        print(f"not checked: {claim}: {why}")
+        self.rows.append((claim, f"not checked: {why}"))
+        return False
 
     def table(self) -> list[tuple[str, str]]:
         return list(self.rows)

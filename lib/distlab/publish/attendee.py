@@ -81,7 +81,22 @@ def as_attendee(work: Path) -> list[str]:
     if subprocess.run(["id", USER], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True)
     subprocess.run(["chown", "-R", USER, str(work)], check=True)
+    for folder in blocked_folders(USER, [paths.REPO_ROOT, Path(sys.executable).parent, work]):
+        # a reader owns their clone; this user must at least pass through the folders above ours
+        print(f"attendee run: {folder} is closed to other users: opening it for passing through (o+x)")
+        folder.chmod(folder.stat().st_mode | 0o001)
     return ["runuser", "-u", USER, "--"]
+
+
+def blocked_folders(user: str, targets: list[Path]) -> list[Path]:
+    """The folders on the way to `targets` that `user` may not pass through (mode without o+x, not theirs)."""
+    blocked = []
+    for target in targets:
+        for folder in reversed(Path(target).resolve().parents):
+            ok = subprocess.run(["runuser", "-u", user, "--", "test", "-x", str(folder)], capture_output=True)
+            if ok.returncode != 0 and folder not in blocked:
+                blocked.append(folder)
+    return blocked
 
 
 def lane_command(env: dict[str, str], work: Path, core: int, chapters: list[str], lane: int) -> list[str]:
