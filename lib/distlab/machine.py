@@ -26,6 +26,8 @@ import sysconfig
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from distlab.cli import run_main
+
 # Tolerances by the dtype the compared runs compute in. fp32 on a CPU rounds the same way in every run
 # (only the order of a sum differs between strategies); bf16 keeps 8 bits of mantissa, and two GPU kernels
 # need not round alike: the looser values are what the GPU profiles set.
@@ -284,4 +286,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

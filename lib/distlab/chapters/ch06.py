@@ -3,7 +3,9 @@ planned from the notebook's parameters, the KV cache's bytes (counted in a cache
 scaling, batch-sweep, stage-memory and width tables and figures, and a finished run's stage timeline (one row
 per stage, one bar per forward, micro-batches told apart by colour; the runs are read by
 distlab.inference.outputs.load_run); and the stage-loss demo: a stage killed mid-job, the job finished by
-submitting it again (`stage_loss_demo`)."""
+submitting it again (`stage_loss_demo`). Where this machine cannot start a Slurm cluster (or `scheduler = "local"`),
+every job runs through distlab.slurm.local instead (`choose_scheduler`, `run_job`): the same run.sh, once per task,
+the same outputs and a record shaped like sacct's."""
 
 from __future__ import annotations
 
@@ -25,10 +27,41 @@ from distlab.inference.resume import COMPLETIONS
 from distlab.launch.sbatch import SlurmSpec
 from distlab.layer_split import split_layers
 from distlab.provenance import save_figure
-from distlab.slurm import submit
+from distlab.slurm import local, submit
 
 MIB = 2 ** 20
 MB_COLORS = plt.get_cmap("tab10")
+SCHEDULERS = ("auto", "slurm", "local")
+CLUSTER_SECTION = "3. A Slurm cluster on this machine"
+MARGIN_SE = 2  # a timing claim's margin: standard errors of the rounds' mean time per token
+
+
+# ---------------------------------------------------------------- where the jobs run
+
+def choose_scheduler(scheduler: str, sections) -> str:
+    """"slurm" or "local": where the chapter's jobs run, recorded in `sections` (distlab.machine.Sections).
+    "auto": Slurm where this machine can start a cluster (Linux, root, slurm-wlm, munge), else the local
+    launcher; "local" always the local launcher; "slurm" Slurm, or one line saying what is missing."""
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler={scheduler!r}: one of {', '.join(map(repr, SCHEDULERS))}")
+    if scheduler == "slurm" and (lacking := sections.machine.missing("slurm")):
+        raise ValueError(f"scheduler='slurm': this machine lacks {lacking}")
+    if scheduler == "local":
+        sections.skip(CLUSTER_SECTION, "scheduler = 'local' asked for the local launcher")
+        chosen = "local"
+    else:
+        chosen = "slurm" if sections.run(CLUSTER_SECTION, "slurm") else "local"
+    print("the jobs run under Slurm: sbatch on a cluster of two nodes started on this machine" if chosen == "slurm"
+          else "the jobs run without Slurm: each job's run.sh once per task, on this machine (distlab.slurm.local)")
+    return chosen
+
+
+def run_job(cluster, spec: SlurmSpec, timeout_s: float, env: dict | None = None) -> tuple[int, dict]:
+    """(job id, record): sbatch on `cluster` and wait for its sacct record, or, with no cluster (None), the
+    same scripts run by the local launcher."""
+    if cluster is None:
+        return local.run_spec(spec, timeout_s, env=env)
+    return submit.run_spec(cluster, spec, timeout_s, env=env)
 
 
 def resolve_adapter(model_dir: Path, adapter) -> Path | None:
@@ -174,13 +207,38 @@ def mean_busy(run: dict) -> float:
     return sum(outputs.busy_fraction(s) for s in run["stages"]) / len(run["stages"])
 
 
-def scaling_tables(runs: dict, stage_counts, strong_prompts: int, prompts_per_stage: int, batch_sizes):
-    """strong, weak and batch-sweep tables: tokens/s, latencies, and how busy the stages were."""
+def round_rates(run: dict) -> pd.Series:
+    """Tokens/s of each decode round of a run with every micro-batch in flight: round k is decode step k of
+    every micro-batch, timed on the last stage from the end of round k - 1's last forward (the prefill's, for
+    k = 1) to the end of its own; its tokens are the rows still generating in step k."""
+    ends = pd.DataFrame(run["stages"][-1]["events"]).groupby("step")["end"].max().sort_index()
+    rows = run["completions"]["new_tokens"]
+    steps = ends.index[ends.index >= 1]
+    tokens = pd.Series({k: int((rows > k).sum()) for k in steps}, dtype=float)
+    return tokens / ends.diff().loc[steps]
+
+
+def relative_error(run: dict) -> float:
+    """The relative standard error of a run's mean time per token over its decode rounds: the spread of the
+    rounds (standard deviation over mean) / sqrt(rounds)."""
+    per_token = 1 / round_rates(run)
+    return float(per_token.std() / per_token.mean() / math.sqrt(len(per_token)))
+
+
+def scaling_tables(runs: dict, stage_counts, strong_prompts: int, prompts_per_stage: int, batch_sizes,
+                   cores: int):
+    """strong, weak and batch-sweep tables: tokens/s, latencies, and how busy the stages were. Strong scaling
+    adds the ideal speedup (min(stages, cores): one stage's rate on every core the stages can use) and
+    `speedup_high`, the speedup plus MARGIN_SE standard errors that the spread of the two runs' decode rounds
+    gives (`relative_error`, of the split run and of the 1-stage run, combined)."""
     def row(name, **extra):
         return {**extra, **outputs.latency_stats(runs[name]), "stages_busy": mean_busy(runs[name])}
 
     strong = pd.DataFrame([row(f"strong-s{n}", stages=n, prompts=strong_prompts) for n in stage_counts])
     strong["speedup"] = strong["tokens_per_s"] / strong["tokens_per_s"].iloc[0]
+    errors = [relative_error(runs[f"strong-s{n}"]) for n in stage_counts]
+    strong["speedup_high"] = strong["speedup"] * [1 + MARGIN_SE * math.hypot(errors[0], e) for e in errors]
+    strong["ideal"] = strong["stages"].clip(upper=cores)
     weak = pd.DataFrame([row(f"weak-s{n}" if f"weak-s{n}" in runs else f"strong-s{n}", stages=n,
                              prompts=prompts_per_stage * n) for n in stage_counts])
     sweep = pd.DataFrame([row(f"sweep-b{b}", batch_size=b, micro_batches=math.ceil(strong_prompts / b))
@@ -188,8 +246,26 @@ def scaling_tables(runs: dict, stage_counts, strong_prompts: int, prompts_per_st
     return strong, weak, sweep
 
 
+SHARED_CLAIM = "6. Strong scaling far below the ideal where stages share cores"
+
+
+def shared_core_rows(strong: pd.DataFrame, machine, sections) -> pd.DataFrame:
+    """The strong-scaling rows whose processes share cores: more than one stage, and more processes (the
+    stages and the notebook's kernel, which polls the job) than usable cores (`machine.timing_skip`). The
+    claim is recorded in `sections`: run where such rows exist, else skipped with one printed line."""
+    shares = strong["stages"].map(lambda n: machine.timing_skip(n + 1) is not None)
+    shared = strong[(strong["stages"] > 1) & shares]
+    if len(shared):
+        sections.run(SHARED_CLAIM)
+    else:
+        sections.skip(SHARED_CLAIM, f"the stages and this kernel each have a core of their own "
+                                    f"({machine.cores} usable cores for at most {strong['stages'].max() + 1} "
+                                    "processes): the claim is about shared cores")
+    return shared
+
+
 def plot_scaling(strong: pd.DataFrame, weak: pd.DataFrame, runs: dict, path, provenance: dict,
-                 cores: int = 2) -> Path:
+                 cores: int) -> Path:
     """Strong and weak scaling: tokens/s against stages, with the ideal (one stage's rate x the cores the
     stages can use), and each stage's busy fraction in the strong-scaling runs."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
@@ -216,17 +292,31 @@ def plot_scaling(strong: pd.DataFrame, weak: pd.DataFrame, runs: dict, path, pro
     return out
 
 
-def latency_alone(runs: dict) -> pd.Series:
-    """One micro-batch alone in the pipeline (the one-at-a-time job) against the compute of one decode
-    forward through every layer on 1 stage: what one request's token costs."""
-    def decode_ms(stage):
-        spans = [e["end"] - e["start"] for e in stage["events"] if e["kind"] == "decode"]
-        return 1e3 * sum(spans) / len(spans)
+def decode_forwards_ms(run: dict) -> list[float]:
+    """Per stage, its mean decode forward (ms) over the steps each prompt's per-token latency spans (steps 1
+    to the prompt's last token, its micro-batch's forwards), averaged over the prompts as the latency is."""
+    rows = [r for r in run["completions"].itertuples() if r.new_tokens > 1]
+    out = []
+    for stage in run["stages"]:
+        took = {(e["mb"], e["step"]): e["end"] - e["start"] for e in stage["events"] if e["kind"] == "decode"}
+        per_prompt = [sum(took[(r.micro_batch, k)] for k in range(1, r.new_tokens)) / (r.new_tokens - 1)
+                      for r in rows]
+        out.append(1e3 * sum(per_prompt) / len(per_prompt))
+    return out
 
+
+def latency_alone(runs: dict) -> pd.Series:
+    """One request's token, within the one-at-a-time job (one micro-batch in the 2 stages at a time): each
+    stage's decode forward, their sum, the per-token latency, and the hand-offs (the latency minus the
+    forwards), all means over the same decode steps; and, for comparison only (another job), the 1-stage
+    job's decode forward through every layer over the same steps."""
     alone = runs["one-at-a-time"]
-    return pd.Series({"1 stage: one decode forward, all layers (ms)": decode_ms(runs["strong-s1"]["stages"][0]),
-                      **{f"2 stages, alone: stage {s['rank']} forward (ms)": decode_ms(s) for s in alone["stages"]},
-                      "2 stages, alone: per-token latency (ms)": 1e3 * outputs.latency_stats(alone)["per_token_s"]})
+    forwards = decode_forwards_ms(alone)
+    latency = 1e3 * outputs.latency_stats(alone)["per_token_s"]
+    return pd.Series({"1 stage, another job: forward of all layers": decode_forwards_ms(runs["strong-s1"])[0],
+                      **{f"stage {s} forward": ms for s, ms in enumerate(forwards)},
+                      "stage forwards, summed": sum(forwards), "hand-offs": latency - sum(forwards),
+                      "per-token latency": latency}, name="ms")
 
 
 def plot_batch_sweep(sweep: pd.DataFrame, stages: int, path, provenance: dict) -> Path:
@@ -343,11 +433,11 @@ def width_ratios(runs: dict, tiny_width: int, bench_widths) -> pd.DataFrame:
     return table
 
 
-def plot_width_ratios(table: pd.DataFrame, path, provenance: dict) -> Path:
+def plot_width_ratios(table: pd.DataFrame, path, provenance: dict, cores: int) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     table.plot.bar(ax=ax, rot=0)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.axhline(2.0, color="grey", ls=":", label="ideal on 2 cores")
+    ax.axhline(min(2, cores), color="grey", ls=":", label=f"ideal: min(2 stages, {cores} cores)")
     ax.set(ylabel="tokens/s relative to 1 stage", xlabel="model width (hidden size)", title="2 stages vs 1 stage")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max(2.3, table.values.max() * 1.15))
@@ -365,20 +455,21 @@ def stage_loss_demo(cluster, model_dir, *, run_root, log_dir, job_dir, prompts: 
                     timeout_s: float = 300, resubmit: str = "sbatch", reference=None) -> dict:
     """A stage lost mid-job, and the job finished by submitting it again.
 
-    Two 2-stage Slurm jobs of one resumable script (SlurmSpec(resumable=True): a stable output folder,
-    --resume, --requeue): the run whose last stage (rank 1) SIGKILLs itself once `kill_after` micro-batches
-    are written (DISTLAB_KILL_AFTER_MICRO_BATCHES), and its resubmission (`resubmit`: "sbatch" submits the
-    script again, a new job id; "requeue" runs the same job id again). Two micro-batches are in flight, so
-    micro-batches finish, and are written, one pair after another. The answers are compared with an
+    Two 2-stage jobs of one resumable script (SlurmSpec(resumable=True): a stable output folder, --resume,
+    --requeue), on `cluster` or, where it is None, run by the local launcher (distlab.slurm.local): the run
+    whose last stage (rank 1) SIGKILLs itself once `kill_after` micro-batches are written
+    (DISTLAB_KILL_AFTER_MICRO_BATCHES), and its resubmission (`resubmit`: "sbatch" submits the script again,
+    a new job id; "requeue" runs the same job id again, on a cluster only). Two micro-batches are in flight,
+    so micro-batches finish, and are written, one pair after another. The answers are compared with an
     uninterrupted run of the same prompts and micro-batches: one stage in this process (the number of
     stages does not change a greedy answer; the chapter checks that first), or `reference`, a finished
     run's folder. Returns the counts and checks the chapter asserts: which rank the failed job names,
     prompts answered before the kill and by the resubmission, the total against the prompt count, prompts
     answered twice, and whether every answer's tokens equal the uninterrupted run's."""
-
-
     if resubmit not in ("sbatch", "requeue"):
         raise ValueError(f"resubmit={resubmit!r}: 'sbatch' or 'requeue'")
+    if resubmit == "requeue" and cluster is None:
+        raise ValueError("resubmit='requeue' needs a Slurm cluster (scontrol requeue); without one: 'sbatch'")
     run_root, log_dir, job_dir = Path(run_root), Path(log_dir), Path(job_dir)
     args = ["--max-new-tokens", str(max_new_tokens), "--num-prompts", str(prompts), "--batch-size", str(batch_size),
             "--in-flight", "2", *(["--adapter", str(adapter)] if adapter else [])]
@@ -396,20 +487,20 @@ def stage_loss_demo(cluster, model_dir, *, run_root, log_dir, job_dir, prompts: 
     else:
         ref_rows = outputs.completions(reference)
     kill = {"DISTLAB_KILL_AFTER_MICRO_BATCHES": str(kill_after), "DISTLAB_KILL_RANK": "1"}
-    lost_id, lost_rec = submit.run_spec(cluster, spec("stage-loss"), timeout_s, env={**env, **kill})
+    lost_id, lost_rec = run_job(cluster, spec("stage-loss"), timeout_s, env={**env, **kill})
     failed = re.findall(r"task (\d+): Killed", (log_dir / f"stage-loss-{lost_id}.out").read_text())
     before = outputs.completions(run_root / "stage-loss")
     if resubmit == "requeue":  # the same job id again; Slurm's SLURM_RESTART_COUNT=1 disarms the kill
         again_rec = submit.requeue(cluster, lost_id, timeout_s)
     else:
-        _, again_rec = submit.run_spec(cluster, spec("stage-loss"), timeout_s, env=env)
+        _, again_rec = run_job(cluster, spec("stage-loss"), timeout_s, env=env)
     after = outputs.completions(run_root / "stage-loss")
     ids = [json.loads(line)["id"] for line in (run_root / "stage-loss" / COMPLETIONS).read_text().splitlines()]
     summary = json.loads((run_root / "stage-loss" / "summary.json").read_text())
     return {"prompts": prompts, "micro_batches": -(-prompts // batch_size),
             "lost_job": lost_rec["State"],
             "failed_rank": int(failed[0]) if failed else None, "answered_before_kill": len(before),
-            "resubmission": f"{resubmit}: {again_rec['State']}",
+            "resubmission": f"{resubmit if cluster is not None else 'by the local launcher'}: {again_rec['State']}",
             "answered_by_resubmission": summary["answered_now"], "total_answered": len(after),
             "answered_twice": sum(n - 1 for n in Counter(ids).values()),
             "identical_to_uninterrupted": not outputs.token_mismatches(after, ref_rows)}

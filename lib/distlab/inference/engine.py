@@ -78,7 +78,7 @@ class Pipeline:
         self.config, self.eos_id, self.pad_id, self.sampling = config, eos_id, pad_id, sampling
         self.first, self.last = rank == 0, rank == world - 1
         self.sends: list = []
-        self.events: list[dict] = []   # the stage timeline: one entry per forward
+        self.events: list[dict] = []   # the stage timeline: one entry per forward (sampling included, sends not)
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -112,15 +112,18 @@ class Pipeline:
         begin = self.now()
         out = self.stage(x, st.positions, st.mask, st.cache)
         if not self.last:
+            end = self.now()
             self._isend(out.contiguous(), self.rank + 1, HIDDEN_TAG)
         else:
             tok = sample(out, self.sampling, st.generator)
             tok = torch.where(st.finished, torch.full_like(tok, self.pad_id), tok)
             st.pending = tok
-            st.token_times.append(self.now())
+            end = self.now()
+            st.token_times.append(end)
             for r in range(self.world - 1):
                 self._isend(tok.clone(), r, TOKEN_TAG)
-        self.events.append({"mb": st.mb.index, "step": step, "start": begin, "end": self.now(),
+        # the forward ends before its send starts: a neighbour's forward that the send feeds begins after it
+        self.events.append({"mb": st.mb.index, "step": step, "start": begin, "end": end,
                             "kind": "prefill" if step == 0 else "decode"})
 
     def _apply_tokens(self, st: MicroState, step: int) -> None:

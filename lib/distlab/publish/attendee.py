@@ -29,6 +29,7 @@ import threading
 from pathlib import Path
 
 from distlab import paths
+from distlab.cli import run_main
 from distlab.launch.process import run
 from distlab.machine import usable_cores
 from distlab.strategies.deepspeed_runtime import extensions_dir
@@ -186,4 +187,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)
