@@ -1,16 +1,25 @@
 """Chapter 05's plumbing and the balance theory it draws: the ideal step ratio and speedups from the hosts'
-speeds, the even-vs-balanced drawing, the balance tables, and the mode line of the localhost fallback."""
+speeds, the even-vs-balanced drawing, the balance tables, the mode line of the localhost fallback and what it
+measures (loopback once, never labelled with a rate), which timing claims a machine can check and with what
+margin, and the failure demos that need the namespace cluster."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from distlab.batching import ideal_speedups, ideal_step_ratio, predicted_step_ratio, rows_per_rank
-from distlab.bench import lan_balance
+from distlab.bench import lan_balance, lan_ddp
 from distlab.chapters import ch05
-from distlab.lan import host_runs
+from distlab.lan import host_runs, hosts
+from distlab.machine import Sections, example_machines
+
+EXAMPLES = example_machines()
 
 STAMP = {"device": "test", "model": "none", "world_size": 3, "commit": "abc1234", "date": "2026-01-01 00:00 UTC"}
 
@@ -69,6 +78,92 @@ def test_the_fallback_says_why_and_what_it_loses():
     local = host_runs.place(2, force_local=True)
     line = ch05.mode(local)
     assert line.startswith("mode: FALLBACK to localhost, because asked for localhost")
-    assert "not shaped" in line and "skipped" in line
-    table = ch05.prerequisites()
-    assert {"prerequisite", "needed for", "present here"} == set(table.columns) and len(table) == 5
+    assert "not shaped" in line and "skipped" in line and "once on loopback" in line
+    assert "skipped" not in ch05.mode(local, demos=False)  # chapter 07: no failure demos to skip
+    table = ch05.prerequisites(EXAMPLES["the book's build VM, 2 cores, root"]).set_index("prerequisite")
+    assert {"needed for", "present here"} == set(table.columns) and len(table) == 5
+    assert table["present here"][["Linux", "root (CAP_NET_ADMIN)", "`ip` and `tc` (iproute2)"]].all()
+    mac = ch05.prerequisites(EXAMPLES["macOS laptop, 10 cores"]).set_index("prerequisite")["present here"]
+    assert not mac[["Linux", "root (CAP_NET_ADMIN)", "`ip` and `tc` (iproute2)"]].any()
+
+
+def test_the_fallback_measures_loopback_once_instead_of_each_rate():
+    local = host_runs.place(3, force_local=True)
+    assert local.link_rates(["100mbit", "1gbit"]) == [hosts.LOOPBACK] and local.why_unshaped
+    assert hosts.link_bits(hosts.LOOPBACK) > hosts.rate_bits("10gbit")  # unshaped: the fastest, no rate
+    assert math.isnan(hosts.link_bytes_per_s(hosts.LOOPBACK)) and hosts.link_bytes_per_s("1gbit") == 1.25e8
+    with pytest.raises(ValueError, match="expected e.g. 100mbit"):
+        hosts.rate_bits(hosts.LOOPBACK)  # never accepted as a rate to shape a link to
+    names = [r.name for r in lan_ddp._sweep_runs("x", local.link_rates(["100mbit", "1gbit"]))]
+    assert names == ["x_loopback_lora", "x_loopback_full"]
+
+
+def figure_text(svg: Path) -> str:
+    """What a saved figure says: matplotlib's SVG keeps every text it drew as a comment."""
+    return " ".join(re.findall(r"<!-- (.*?) -->", svg.read_text()))
+
+
+def loopback_net() -> pd.DataFrame:
+    return pd.DataFrame([{"rate": hosts.LOOPBACK, "rate_bytes_per_s": math.nan, "size_bytes": 2**k,
+                          "busbw_bytes_per_s": 1e8 * k, "fraction_of_link": math.nan, "placement": "localhost"}
+                         for k in (16, 20, 24)])
+
+
+def test_the_fallback_figures_carry_no_link_rate(tmp_path):
+    text = figure_text(ch05.allreduce_figure(loopback_net(), tmp_path / "net.svg", STAMP))
+    assert "loopback, not shaped" in text and "bus bandwidth (MB/s)" in text
+    assert not re.search(r"\d+ ?[mgk]bit|% of link|tbf rate", text, re.I), text
+    sweep = pd.DataFrame([{"rate": hosts.LOOPBACK, "mode": m, "compute_time_s": 0.2, "comm_time_s": c,
+                           "step_time_s": 0.2 + c, "comm_share": c / (0.2 + c)} for m, c in (("lora", 0.01),
+                                                                                        ("full", 0.1))])
+    hooks = pd.DataFrame([{"hook": h, "rate": hosts.LOOPBACK, "steps": [1, 2, 3], "losses": [3.0, 2.9, 2.8],
+                           "step_time_s": 0.3, "comm_bytes": b} for h, b in (("none", 8e7), ("fp16", 4e7))])
+    text = figure_text(ch05.ddp_figure(sweep, hooks, tmp_path / "ddp.svg", STAMP))
+    assert "loopback, not shaped" in text and "agents on localhost" in text
+    assert not re.search(r"\d+ ?[mgk]bit|tbf", text, re.I), text
+    assert list(ch05.at_slowest_link(sweep).index) == ["lora", "full"]
+    shaped = loopback_net().assign(rate="1gbit", fraction_of_link=0.95)
+    text = figure_text(ch05.allreduce_figure(shaped, tmp_path / "shaped.svg", STAMP))
+    assert "1gbit" in text and "% of link rate" in text and "not shaped" not in text
+
+
+def test_a_timing_claim_needs_a_core_per_rank_and_must_hold_in_every_round(capsys):
+    vm = Sections(EXAMPLES["the book's build VM, 2 cores, root"])
+    clear = ch05.faster_in_every_round("b faster", 2, [0.8, 1.2], [0.6, 0.65], vm)  # one slow round of a: still
+    assert clear["checked"] and clear["holds"] and clear["slower: fastest round (s)"] == 0.8
+    noisy = ch05.faster_in_every_round("b faster", 2, [1.0, 1.1], [0.7, 1.05], vm)  # a round of b lost to a's
+    assert noisy["checked"] and not noisy["holds"] and noisy["faster: median (s)"] == pytest.approx(0.875)
+    assert capsys.readouterr().out == ""  # both could be checked: no line
+    three = ch05.faster_in_every_round("3 hosts", 3, [1.0], [0.7], vm)
+    assert not three["checked"] and three["why not checked"].startswith("needs 3 cores (this machine gives 2)")
+    assert capsys.readouterr().out.splitlines() == [f"not checked: 3 hosts: {three['why not checked']}"]
+
+
+def test_the_balance_claims_of_three_hosts_on_two_cores_are_shown_not_checked(capsys):
+    three = fake_result([1.0, 0.5, 0.5], 1.0, 0.8)
+    three["one_host"] = {"rows": 18, "step_time_s": 1.5, "tokens_per_s": 1000 / 1.5}
+    results = {"2 hosts": fake_result([1.0, 0.5], 1.0, 0.7), "3 hosts": three}
+    vm = Sections(EXAMPLES["the book's build VM, 2 cores, root"])
+    claims = ch05.balance_claims(results, vm)
+    assert list(claims.checked) == [True, False, False] and claims.holds.all()
+    assert claims.loc["3 hosts: split by speed faster than host 0 alone (same rows per step)",
+                      "slower: median (s)"] == 1.5
+    assert len(capsys.readouterr().out.splitlines()) == 2 and len(vm.table()) == 2
+    laptop = Sections(EXAMPLES["Linux laptop, 8 cores, normal user"])
+    assert ch05.balance_claims(results, laptop).checked.all() and laptop.table() == []
+    race = {"equal_step_s_rounds": [1.0, 1.02], "measured_step_s_rounds": [0.8, 0.85]}
+    pipe = ch05.pipeline_claims(race, Sections(EXAMPLES["cloud VM, 1 core"]))
+    assert not pipe.checked.any() and "needs 2 cores" in capsys.readouterr().out
+
+
+def test_a_failure_demo_needs_the_namespace_cluster_and_says_why_in_one_line(capsys):
+    local = host_runs.place(2, force_local=True)
+    capsys.readouterr()  # place's own line: falling back
+    laptop = Sections(EXAMPLES["Linux laptop, 8 cores, normal user"])
+    assert not ch05.cluster_section(laptop, "7. A cut cable", local)
+    vm = Sections(EXAMPLES["the book's build VM, 2 cores, root"])
+    assert not ch05.cluster_section(vm, "7. A cut cable", local)  # the machine could, this placement did not
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("skipped: 7. A cut cable: needs network namespaces: Linux, root and iproute2")
+    assert lines[1] == "skipped: 7. A cut cable: needs the namespace cluster, which failed here: asked for localhost"
+    assert len(lines) == 2

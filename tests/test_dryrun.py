@@ -19,7 +19,8 @@ def test_an_undeclared_parameter_and_an_indivisible_batch_are_found(tmp_path):
     for nb in ("02_ddp_scaling.ipynb", "03_fsdp_and_zero.ipynb"):
         shutil.copy(paths.NOTEBOOKS_DIR / nb, tmp_path / nb)
     (tmp_path / "profiles.yaml").write_text(
-        'bad:\n  "*": {micro_batch_size: 8}\n  "02": {nproc: 8}\n  "03": {global_batch_size: 12}\n')
+        'bad:\n  "*": {micro_batch_size: 8}\n  "02": {nproc: 8, global_batch_size: 8}\n'
+        '  "03": {global_batch_size: 12}\n')
     problems, _ = dryrun.check(["bad"], tmp_path)
     text = "\n".join(map(str, problems))
     assert "02_ddp_scaling [bad]: profile parameter 'nproc' is declared by no parameters cell" in text
@@ -29,4 +30,17 @@ def test_an_undeclared_parameter_and_an_indivisible_batch_are_found(tmp_path):
 
 def test_the_parameters_cell_is_read_as_the_notebook_declares_it():
     defaults = dryrun.notebook_defaults(paths.NOTEBOOKS_DIR / "02_ddp_scaling.ipynb")
-    assert defaults["world_sizes"] == [1, 2] and "figures_dir" in defaults
+    assert defaults["world_sizes"] == "auto" and "figures_dir" in defaults
+
+
+def test_auto_launch_values_are_checked_on_every_machine_a_workshop_brings():
+    _, report = dryrun.check(["cpu"])
+    line = next(line for line in report if "02_ddp_scaling" in line)
+    assert "world size 1, 2, 4, 8" in line and line.endswith(": ok")  # the GPU node's 8 ranks, its batch of 16
+    params = {"world_sizes": "auto", "oversubscribe": "auto", "nproc": 2, "micro_batch_size": 2,
+              "global_batch_size": "auto"}
+    machines = dict(dryrun.on_machines(params, gpus_only=False))
+    assert machines["GPU node, 8 x 80 GiB, 64 cores"]["global_batch_size"] == 16
+    assert machines["the book's build VM, 2 cores, root"]["world_sizes"] == [1, 2]
+    assert [name for name, _ in dryrun.on_machines(params, gpus_only=True)] == [
+        "one GPU (24 GiB), 16 cores", "GPU node, 8 x 80 GiB, 64 cores"]

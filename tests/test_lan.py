@@ -10,6 +10,8 @@ cgroup of ours survives it.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from distlab.batching import StepBatches, rows_per_rank
-from distlab.lan import host_runs, hosts
+from distlab.lan import diagnose, host_runs, hosts
 from distlab.launch.process import run
 
 ROOT = os.geteuid() == 0
@@ -50,6 +52,28 @@ def test_uneven_shares_keep_the_global_batch(shares, accum):
         steps = [b.next_step() for b in uneven]
         assert all(len(s) == accum and all(s) for s in steps)
         assert sorted(i for s in steps for mb in s for i in mb) == a
+
+
+# ---------------------------------------------------------------------- the localhost fallback: no `ip`, no /dev/tcp
+
+@pytest.mark.parametrize("network_tools", [False, True])
+def test_the_checklist_runs_on_localhost_with_or_without_iproute2(network_tools):
+    """Without `ip` (macOS, Linux without iproute2) the interfaces come from psutil and the port is probed from
+    Python: the checklist starts no command the machine lacks (no `ip`, no bash /dev/tcp, no `timeout`)."""
+    if network_tools and not shutil.which("ip"):
+        pytest.skip("iproute2 is not installed here: only the psutil path can run")
+    local = host_runs.place(2, force_local=True)
+    with socket.socket() as s:  # a free port for the listener
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rows = diagnose.checklist(local, port, network_tools=network_tools)
+    assert [r["ok"] for r in rows] == [True] * 4, rows  # 2 interfaces, the listening port, host 1 reaches it
+    assert ("psutil" in rows[0]["detail"]) != network_tools and rows[-1]["detail"] == "connected"
+
+
+def test_without_iproute2_no_namespace_is_looked_for(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no `ip` on PATH, as on macOS
+    assert hosts.namespaces() == [] and hosts.available()[0] is False
 
 
 # ---------------------------------------------------------------------- the cluster

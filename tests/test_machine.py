@@ -66,6 +66,16 @@ def test_sections_that_need_root_slurm_or_namespaces_skip_with_one_line_naming_w
     assert build_vm.run("5", "netns") and build_vm.run("6", "slurm") and build_vm.run("3", "compiler")
 
 
+def test_a_claim_this_machine_cannot_check_prints_one_line_and_is_listed(capsys):
+    one = Sections(EXAMPLES["cloud VM, 1 core"])
+    assert one.claim("balanced faster than naive", None, None)  # nothing stops it: checked, no line, no row
+    assert not one.claim("balanced faster than naive", None, one.machine.timing_skip(2), "a later reason")
+    assert capsys.readouterr().out.splitlines() == [
+        "not checked: balanced faster than naive: needs 2 cores (this machine gives 1): ranks would share"]
+    assert one.table() == [("balanced faster than naive", "not checked: needs 2 cores (this machine gives 1): "
+                                                          "ranks would share")]
+
+
 def test_an_unknown_need_is_refused_with_the_needs_there_are():
     with pytest.raises(ValueError, match="need 'gpus2'.*netns"):
         EXAMPLES["cloud VM, 1 core"].missing("gpus2")
@@ -96,3 +106,13 @@ def test_a_tolerance_follows_the_dtype_a_run_computes_in():
     assert machine.tolerance("check_rtol", choose_device("cpu", "fp32")) == 1e-6
     assert machine.tolerance("check_rtol", choose_device("cpu", "bf16-autocast")) == 1e-3
     assert machine.tolerance("loss_rtol", choose_device("cpu", "bf16")) == 0.05
+
+
+def test_the_global_batch_splits_over_every_world_size_a_machine_runs():
+    assert machine.fitting_global_batch(2, [1, 2]) == 8  # the book's machine: the chapters' 8 rows
+    assert machine.fitting_global_batch(2, [1, 2, 4]) == 8
+    assert machine.fitting_global_batch(2, [1, 2, 4, 8]) == 16  # a GPU node's 8 ranks of 2 rows
+    assert machine.fitting_global_batch(3, [1, 2]) == 24
+    for micro, ranks in ((2, [8]), (3, [1, 2, 4]), (4, [1, 2, 4, 8])):
+        rows = machine.fitting_global_batch(micro, ranks)
+        assert all(rows % (micro * k) == 0 for k in ranks)

@@ -1,16 +1,22 @@
 """Tensor parallelism across a slow link (chapter 07, section 10): the bytes each strategy sends per step
 against the formula and the planner, the runs of the sweep (the same rows per step), the table's
-arithmetic, the figure, and the localhost fallback, which runs, says so and shapes nothing."""
+arithmetic, the figure, and the localhost fallback, which runs once on loopback, says so and labels nothing with
+a rate; the devices, dtypes and loss tolerance chapter 07's `auto` parameters give each machine."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pandas as pd
 import pytest
 
+from distlab import machine
 from distlab.bench.lan_ddp import BASE_CONFIG
 from distlab.chapters import ch07
+from distlab.lan.hosts import LOOPBACK
+from distlab.machine import example_machines
 
 STAMP = {"device": "test", "model": "tiny", "world_size": 2, "commit": "x", "date": "today"}
 
@@ -50,10 +56,42 @@ def test_the_table_sets_the_slow_down_beside_bytes_over_rate_and_the_figure_is_s
     assert out.stat().st_size > 10_000
 
 
+def figure_text(svg) -> str:
+    """What a saved figure says: matplotlib's SVG keeps every text it drew as a comment."""
+    return " ".join(re.findall(r"<!-- (.*?) -->", svg.read_text()))
+
+
+def test_on_loopback_the_table_and_figure_carry_no_link_rate(tmp_path):
+    sweep = pd.DataFrame([{"rate": LOOPBACK, "Gbit/s": math.nan, "strategy": s, "step s": step,
+                           "placement": "localhost"} for s, step in (("tp", 0.4), ("ddp", 0.2))])
+    sent = {"tp": 7e6, "ddp": 1e6}
+    assert ch07.why_unshaped(sweep) == "the links are loopback, not shaped (localhost fallback)"
+    table = ch07.link_table(sweep, sent)
+    assert list(table.columns) == ["step s", "MB per step"] and list(table.index) == [(LOOPBACK, "tp"),
+                                                                                       (LOOPBACK, "ddp")]
+    text = figure_text(ch07.link_figure(sweep, sent, tmp_path / "07_link_rate.svg", STAMP))
+    assert "loopback, not shaped" in text and "7.0 MB per step" in text
+    assert not re.search(r"\d+ ?[mgk]bit|Gbit/s|link rate,", text, re.I), text
+
+
+def test_auto_devices_and_the_loss_tolerance_follow_the_machine():
+    examples = example_machines()
+    laptop = machine.auto_parameters(examples["Linux laptop, 8 cores, normal user"])
+    one, ranks = ch07.run_devices("auto", "auto", laptop)
+    assert one == ranks == {"device": "cpu", "dtype": "fp32"} and ch07.loss_tolerance("fp32", "fp32") == 1e-5
+    one_gpu = machine.auto_parameters(examples["one GPU (24 GiB), 16 cores"])
+    one, ranks = ch07.run_devices("auto", "auto", one_gpu)  # ranks cannot share the one GPU: CPU, fp32
+    assert one == {"device": "cuda", "dtype": "bf16-autocast"} and ranks == {"device": "cpu", "dtype": "fp32"}
+    assert ch07.loss_tolerance(one["dtype"], ranks["dtype"]) == 0.05  # bf16's rounding sets the tolerance
+    node = machine.auto_parameters(examples["GPU node, 8 x 80 GiB, 64 cores"])
+    assert ch07.run_devices("cpu", "fp32", node) == ({"device": "cpu", "dtype": "fp32"},) * 2  # explicit wins
+    assert ch07.rank_needs("cuda", 4) == ("gpus:4",) and ch07.rank_needs("cpu", 4) == ()
+
+
 @pytest.mark.slow
-def test_the_localhost_fallback_runs_both_strategies_and_says_so(capsys):
-    sweep, mode = ch07.link_sweep(["1gbit"], steps=3, force_local=True, timeout_s=240)
+def test_the_localhost_fallback_runs_both_strategies_once_on_loopback_and_says_so(capsys):
+    sweep, mode = ch07.link_sweep(["1gbit", "50mbit"], steps=3, force_local=True, timeout_s=240)
     assert mode.startswith("mode: FALLBACK to localhost") and "not shaped" in mode
     assert "falling back to localhost agents" in capsys.readouterr().out
-    assert set(sweep.strategy) == {"tp", "ddp"} and (sweep.placement == "localhost").all()
-    assert (sweep["step s"] > 0).all()
+    assert list(sweep.strategy) == ["tp", "ddp"] and (sweep.placement == "localhost").all()
+    assert (sweep.rate == LOOPBACK).all() and (sweep["step s"] > 0).all()  # once each: no rate was applied

@@ -19,6 +19,7 @@ brings.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import shutil
@@ -210,6 +211,14 @@ def tolerance(name: str, choice) -> float:
     throughout, the bf16 values wherever a 16-bit type stores or autocasts."""
     exact = choice.autocast_dtype is None and str(choice.dtype) == "torch.float32"
     return TOLERANCES["fp32" if exact else "bf16-autocast"][name]
+
+
+def fitting_global_batch(micro_batch_size: int, ranks, at_least: int = 8) -> int:
+    """The rows of one optimizer step that every rank count in `ranks` splits evenly into micro-batches (the
+    same global batch at every world size, so the runs train alike): `at_least` where that already splits,
+    else the smallest multiple of it that does."""
+    need = micro_batch_size * max(ranks)
+    return at_least * need // math.gcd(at_least, need)
 
 
 def pick(value, auto_value):

@@ -10,7 +10,9 @@ measured (what the buckets carried) and predicted by the planner (trained parame
 gradient). `compression`: full fine-tuning (where the bytes matter) with each comm hook (none, fp16, bf16,
 powersgd), same seed, so the loss curves differ by the compression alone. Each is ONE torchrun launch
 whose runs (`--variant`s in the same ranks) get their link rate as they start (`run_on_links`);
-`sweep_and_compression`, what the command and chapter 05 run, is both in one launch.
+`sweep_and_compression`, what the command and chapter 05 run, is both in one launch. Without namespaces
+(localhost fallback) nothing is shaped: each sweep runs at the one unshaped "rate", loopback (hosts.LOOPBACK),
+so no row carries a link rate it never had.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Sequence
 
 from distlab.cli import run_main
 from distlab.lan import host_runs
-from distlab.lan.hosts import rate_bits
+from distlab.lan.hosts import link_bits, link_bytes_per_s, rate_bits
 from distlab.metrics import read_log
 from distlab.paths import BUILD_DIR, MODEL_CACHE, RUNS_DIR
 from distlab.planning.advice import communication_bytes
@@ -72,7 +74,7 @@ def run_on_links(placement: host_runs.Placement, name: str, runs: Sequence[LinkR
     a watcher reshapes the links when a run's log says it started and back to the fastest rate when it
     ended, so DDP's initial weight broadcast of the next run never crawls over a slow link. A launch costs
     seconds of start-up (interpreters, imports, rendezvous); a reshape costs milliseconds."""
-    fastest = max((r.rate for r in runs), key=rate_bits)
+    fastest = max((r.rate for r in runs), key=link_bits)
     shaped_at: dict[str, float] = {}
     done = threading.Event()
     before = [h.rate for h in placement.cluster.hosts] if placement.cluster else []
@@ -143,7 +145,7 @@ def measured(log: Path, shaped_at: float | None = None) -> dict[str, Any]:
 
 def _sweep_runs(name: str, rates: Sequence[str]) -> list[LinkRun]:
     """Fastest link first: the slow runs then come last, next to the comm-hook runs on the slow link."""
-    ordered = sorted(rates, key=rate_bits, reverse=True)
+    ordered = sorted(rates, key=link_bits, reverse=True)
     return [LinkRun(f"{name}_{rate}_{mode}", rate, dict(extra)) for rate in ordered for mode, extra in MODES.items()]
 
 
@@ -158,12 +160,12 @@ def _sweep_rows(placement, runs: Sequence[LinkRun], results: dict[str, dict]) ->
     for run in runs:
         mode = "lora" if run.overrides["lora"] else "full"
         m = results[run.name]
-        rows.append({"rate": run.rate, "rate_bytes_per_s": rate_bits(run.rate) / 8, "mode": mode, **m, **plan[mode],
+        rows.append({"rate": run.rate, "rate_bytes_per_s": link_bytes_per_s(run.rate), "mode": mode, **m, **plan[mode],
                      "bytes_vs_planner": m["comm_bytes"] / plan[mode]["predicted_grad_bytes"],
                      # what a link that never bursts needs for the planner's bytes (tbf lets 1 MB through at once)
-                     "predicted_comm_s": plan[mode]["predicted_wire_bytes"] / (rate_bits(run.rate) / 8),
+                     "predicted_comm_s": plan[mode]["predicted_wire_bytes"] / link_bytes_per_s(run.rate),
                      "placement": placement.kind, "run": run.name})
-    return sorted(rows, key=lambda r: (rate_bits(r["rate"]), r["mode"] != "lora"))
+    return sorted(rows, key=lambda r: (link_bits(r["rate"]), r["mode"] != "lora"))
 
 
 def _hook_rows(placement, rate: str, hooks: Sequence[str], results: dict[str, dict]) -> list[dict[str, Any]]:
@@ -181,13 +183,14 @@ def _hook_rows(placement, rate: str, hooks: Sequence[str], results: dict[str, di
 def link_sweep(placement: host_runs.Placement, rates: Sequence[str], steps: int = 4, *, name: str = "ddp_link",
                echo=False, timeout_s: int = 600) -> list[dict[str, Any]]:
     """LoRA and full fine-tuning at every link rate, one launch: one row per (rate, mode)."""
-    runs = _sweep_runs(name, rates)
+    runs = _sweep_runs(name, placement.link_rates(rates))
     return _sweep_rows(placement, runs, run_on_links(placement, name, runs, steps, echo, timeout_s))
 
 
 def compression(placement: host_runs.Placement, rate: str = "100mbit", steps: int = 5, *, hooks: Sequence[str] = HOOKS,
                 name: str = "ddp_hooks", echo=False, timeout_s: int = 600) -> list[dict[str, Any]]:
     """Full fine-tuning with each comm hook at `rate`, one launch: one row per hook (losses per step)."""
+    rate = placement.link_rates([rate])[0]
     runs = _hook_runs(name, rate, hooks)
     results = run_on_links(placement, name, runs, steps, echo, timeout_s)
     return _hook_rows(placement, rate, hooks, {h: results[r.name] for h, r in zip(hooks, runs)})
@@ -197,7 +200,9 @@ def sweep_and_compression(placement: host_runs.Placement, rates: Sequence[str], 
                           rate: str = "100mbit", hooks: Sequence[str] = HOOKS, name: str = "ddp_lan", echo=False,
                           timeout_s: int = 600) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """link_sweep and compression in ONE launch (one start-up instead of two); the sweep's full
-    fine-tuning run at `rate` is the comm-hook comparison's "none" (the same config)."""
+    fine-tuning run at `rate` is the comm-hook comparison's "none" (the same config). On localhost both run
+    on loopback, once: the rates would never be applied."""
+    rates, rate = placement.link_rates(rates), placement.link_rates([rate])[0]
     sweep = _sweep_runs(f"{name}_link", rates)
     same = {r.rate: r for r in sweep if not r.overrides["lora"]}
     hook_runs = {h: r for h, r in zip(hooks, _hook_runs(f"{name}_hooks", rate, hooks))}

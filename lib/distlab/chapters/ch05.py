@@ -1,11 +1,11 @@
 """Chapter 05 (a heterogeneous LAN): what the emulated cluster needs and which mode ran, the even and the
-balanced split drawn, the all-reduce and DDP-over-the-link figures, the balance runs on two and three hosts
-with their theory, and the link-cut demo."""
+balanced split drawn, the all-reduce and DDP-over-the-link figures (on loopback, labelled so, in the localhost
+fallback), the balance runs on two and three hosts with their theory, which timing claims this machine can
+check (a core per rank; faster in every one of the alternating rounds), and the link-cut demo."""
 
 from __future__ import annotations
 
-import os
-import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -19,18 +19,22 @@ from distlab.bench import lan_balance
 from distlab.lan import diagnose, host_runs, hosts
 from distlab.lan.cgroups import HostLimits
 from distlab.lan.cgroups import supported as cgroups_supported
+from distlab.machine import Machine, Sections
 from distlab.provenance import save_figure
 
 # ---------------------------------------------------------------- prerequisites and the mode that ran
 
 
-def prerequisites() -> pd.DataFrame:
-    """What the emulated cluster needs, what each part is for, and whether this machine has it."""
+def prerequisites(here: Machine) -> pd.DataFrame:
+    """What the emulated cluster needs, what each part is for, and whether this machine (distlab.machine's
+    description of it) has it."""
     cgroup_v1, why_not = cgroups_supported()
     rows = [
-        ("root (CAP_NET_ADMIN)", "network namespaces, veth links, cgroups", os.geteuid() == 0),
-        ("`ip` (iproute2)", "the hosts: `ip netns`, a bridge, veth pairs", shutil.which("ip") is not None),
-        ("`tc` (iproute2)", "link rates: a `tbf` shaper per link", shutil.which("tc") is not None),
+        ("Linux", f"network namespaces and cgroups are Linux features (this is {here.system})",
+         here.system == "Linux"),
+        ("root (CAP_NET_ADMIN)", "network namespaces, veth links, cgroups", here.root),
+        ("`ip` and `tc` (iproute2)", "the hosts (`ip netns`, a bridge, veth pairs) and their link rates "
+         "(a `tbf` shaper per link)", here.network_tools),
         ("cgroup v1 `cpu` and `memory` hierarchies", "cpu_mode='quota' and the memory-cap demo"
          + ("" if cgroup_v1 else f" ({why_not})"), cgroup_v1),
         ("cgroup v2 (unified)", "not used: distlab writes v1 files; cpu_mode='sleep' needs no cgroup",
@@ -39,14 +43,73 @@ def prerequisites() -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prerequisite", "needed for", "present here"])
 
 
-def mode(placement: host_runs.Placement) -> str:
-    """Which mode this run is in, and what the reader loses when it is the fallback."""
+def mode(placement: host_runs.Placement, demos: bool = True) -> str:
+    """Which mode this run is in, and what the reader loses when it is the fallback (`demos`: also this
+    chapter's failure demos and slow hosts; chapter 07 has neither)."""
     if placement.cluster:
         return f"mode: namespaces. {placement.describe()}"
-    return (f"mode: FALLBACK to localhost, because {placement.why_local}.\n"
-            "  Every host is a torchrun agent on this machine talking over loopback: the links are not shaped "
-            "(the all-reduce sweep measures loopback, not the rates),\n  there are no memory caps and no per-host "
-            "cables to cut (those demos are skipped and say so); slow hosts still come from cpu_mode='sleep'.")
+    line = (f"mode: FALLBACK to localhost, because {placement.why_local}.\n"
+            "  Every host is a torchrun agent on this machine talking over loopback: the links are not shaped, so "
+            "each sweep over link rates runs once on loopback, labelled so,\n  and no claim about link rates is "
+            "checked")
+    return line + ("; there are no memory caps and no per-host cables to cut (those demos are skipped and say "
+                   "so); slow hosts still come from cpu_mode='sleep'." if demos else ".")
+
+
+def cluster_section(sections: Sections, title: str, placement: host_runs.Placement, *more: str | None) -> bool:
+    """Whether a section that needs the namespace cluster runs: False, with ONE printed line, when this machine
+    cannot build it (distlab.machine), when building it failed here (`placement.why_local`), or for the first
+    reason in `more` that is not None (a section's own needs: writable cgroups, a parameter)."""
+    lacking = sections.machine.missing("netns")
+    if lacking is None and placement.cluster is None:
+        lacking = f"the namespace cluster, which failed here: {placement.why_local}"
+    lacking = lacking or next((m for m in more if m), None)
+    if lacking:
+        sections.skip(title, f"needs {lacking}")
+        return False
+    return sections.run(title)
+
+
+# ---------------------------------------------------------------- timing claims: which this machine can check
+
+
+def faster_in_every_round(claim: str, ranks: int, slower_rounds: Sequence[float], faster_rounds: Sequence[float],
+                          sections: Sections) -> dict[str, Any]:
+    """A claim that one setup is faster than another, from alternating rounds of both. Its margin is the spread
+    of those rounds, the noise of this machine in this run: it holds when even the slowest round of the faster
+    setup beats the fastest round of the slower one (their min-max ranges do not overlap), so no pairing of
+    rounds says otherwise. Checked only with a core per rank (Machine.timing_skip); otherwise the row says
+    why, and `sections` prints one line and lists it."""
+    why = sections.machine.timing_skip(ranks)
+    sections.claim(claim, why)
+    return {"claim": claim, "ranks": ranks, "rounds": min(len(slower_rounds), len(faster_rounds)),
+            "slower: median (s)": statistics.median(slower_rounds), "slower: fastest round (s)": min(slower_rounds),
+            "faster: median (s)": statistics.median(faster_rounds), "faster: slowest round (s)": max(faster_rounds),
+            "holds": max(faster_rounds) < min(slower_rounds), "checked": why is None, "why not checked": why or ""}
+
+
+def balance_claims(results: Mapping[str, Mapping[str, Any]], sections: Sections) -> pd.DataFrame:
+    """Per cluster: balanced faster than naive in every round (one core per host), beside the ratio the
+    calibration's speeds predicted; for the three hosts also the split by speed faster than host 0 alone in
+    every round."""
+    rows = [{**faster_in_every_round(f"{name}: balanced step shorter than naive", len(r["quotas"]),
+                                  r["naive_step_s_rounds"], r["balanced_step_s_rounds"], sections),
+             "predicted by the calibration": r["predicted_ratio"]} for name, r in results.items()]
+    name, three = list(results.items())[-1]
+    if "one_host" in three:  # host 0 alone is one run (no rounds): every balanced round must beat it
+        rounds = three["balanced_step_s_rounds"]
+        alone_s = three["one_host"]["step_time_s"] * three["global_rows"] / three["one_host"]["rows"]  # same rows
+        rows.append(faster_in_every_round(f"{name}: split by speed faster than host 0 alone (same rows per step)",
+                                       len(three["quotas"]), [alone_s], rounds, sections))
+    return pd.DataFrame(rows).set_index("claim").round(4)
+
+
+def pipeline_claims(race: Mapping[str, Any], sections: Sections) -> pd.DataFrame:
+    """The measured split's step shorter than the equal split's in every round (two hosts, a core each)."""
+    return pd.DataFrame([faster_in_every_round("2 hosts: measured split's step shorter than the equal split's", 2,
+                                            race["equal_step_s_rounds"], race["measured_step_s_rounds"],
+                                            sections)
+                         ]).set_index("claim").round(4)
 
 
 # ---------------------------------------------------------------- the idea, drawn
@@ -95,15 +158,24 @@ def draw_even_vs_balanced(speeds: Sequence[float], global_rows: int, path: str |
 
 
 def allreduce_figure(net: pd.DataFrame, path: str | Path, provenance: dict) -> Path:
+    """Bus bandwidth against the message size: as a share of each shaped rate on the namespace cluster; on the
+    localhost fallback in MB/s, one line labelled loopback, not shaped (there is no rate to take a share of)."""
     fig, ax = plt.subplots(figsize=(7, 4))
+    shaped = (net.rate != hosts.LOOPBACK).all()
     for rate, g in net.groupby("rate", sort=False):
-        ax.plot(g.size_bytes / 2**20, 100 * g.fraction_of_link, marker="o", label=rate)
+        y = 100 * g.fraction_of_link if shaped else g.busbw_bytes_per_s / 1e6
+        ax.plot(g.size_bytes / 2**20, y, marker="o", label=rate if shaped else "loopback, not shaped")
     ax.set_xscale("log")
     ax.set_xlabel("message size (MiB)")
-    ax.set_ylabel("bus bandwidth (% of link rate)")
-    ax.axhline(90, color="grey", ls=":", lw=1)
-    ax.legend(title="tbf rate")
-    ax.set_title("gloo all-reduce, 3 emulated hosts")
+    if shaped:
+        ax.set_ylabel("bus bandwidth (% of link rate)")
+        ax.axhline(90, color="grey", ls=":", lw=1)
+        ax.legend(title="tbf rate")
+        ax.set_title("gloo all-reduce, 3 emulated hosts")
+    else:
+        ax.set_ylabel("bus bandwidth (MB/s)")
+        ax.legend()
+        ax.set_title("gloo all-reduce, 3 agents on localhost: loopback, no link rate applied")
     out = save_figure(fig, path, provenance)
     plt.show()
     plt.close(fig)
@@ -119,12 +191,13 @@ def ddp_tables(sweep_rows: Sequence[dict], hook_rows: Sequence[dict]) -> tuple[p
     return sweep_df, hooks_df, table
 
 
-def ddp_figure(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame, hook_rate: str, path: str | Path,
-               provenance: dict) -> Path:
+def ddp_figure(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame, path: str | Path, provenance: dict) -> Path:
     """Left: step time split into compute and communication per link rate, LoRA beside full fine-tuning;
-    right: full fine-tuning's loss per step under each DDP comm hook."""
+    right: full fine-tuning's loss per step under each DDP comm hook, at the rate the hooks ran at (loopback,
+    labelled so, in the localhost fallback)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    order = sorted(sweep_df.rate.unique(), key=hosts.rate_bits)
+    order = sorted(sweep_df.rate.unique(), key=hosts.link_bits)
+    shaped = hosts.LOOPBACK not in order
     for j, (kind, colour) in enumerate((("lora", "tab:blue"), ("full", "tab:orange"))):
         g = sweep_df[sweep_df["mode"] == kind].set_index("rate").loc[order]
         x = [i + (j - 0.5) * 0.38 for i in range(len(order))]
@@ -132,10 +205,11 @@ def ddp_figure(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame, hook_rate: str, p
         left.bar(x, g.comm_time_s, 0.36, bottom=g.compute_time_s, color=colour, label=f"{kind}: communication")
         for xi, step_s, share in zip(x, g.step_time_s, g.comm_share):
             left.text(xi, step_s, f"{100 * share:.0f}%", ha="center", va="bottom", fontsize=8)
-    left.set_xticks(range(len(order)), order)
-    left.set_xlabel("tbf link rate (labels: communication share of the step)")
+    left.set_xticks(range(len(order)), order if shaped else ["loopback, not shaped"])
+    left.set_xlabel(("tbf link rate" if shaped else "no link rate applied (localhost fallback)")
+                    + " (labels: communication share of the step)")
     left.set_ylabel("step time (s)")
-    left.set_title("DDP on 2 emulated hosts: LoRA vs full fine-tuning")
+    left.set_title(f"DDP on 2 {'emulated hosts' if shaped else 'agents on localhost'}: LoRA vs full fine-tuning")
     left.legend(fontsize=8)
     for row, style in zip(hooks_df.itertuples(), ["-o", "--s", ":^", "-.v"]):  # fp16 lies on top of none
         right.plot(row.steps, row.losses, style, markersize=7, fillstyle="none",
@@ -143,7 +217,9 @@ def ddp_figure(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame, hook_rate: str, p
     right.set_xticks(hooks_df.steps.iloc[0])
     right.set_xlabel("optimizer step")
     right.set_ylabel("training loss")
-    right.set_title(f"full fine-tuning at {hook_rate}: DDP comm hooks")
+    hook_rate = hooks_df.rate.iloc[0]
+    where = f"at {hook_rate}" if hook_rate != hosts.LOOPBACK else "on loopback, not shaped"
+    right.set_title(f"full fine-tuning {where}: DDP comm hooks")
     right.legend(fontsize=8)
     fig.tight_layout()
     out = save_figure(fig, path, provenance)
@@ -152,10 +228,15 @@ def ddp_figure(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame, hook_rate: str, p
     return out
 
 
+def at_slowest_link(sweep_df: pd.DataFrame) -> pd.DataFrame:
+    """The link sweep's rows at its slowest rate (the one loopback run on localhost), one per mode."""
+    return sweep_df[sweep_df.rate == min(sweep_df.rate.unique(), key=hosts.link_bits)].set_index("mode")
+
+
 def ddp_summary(sweep_df: pd.DataFrame, hooks_df: pd.DataFrame) -> pd.DataFrame:
     """At the slowest link: bytes per step (measured and planned) and communication share, LoRA against full;
     then each comm hook against none."""
-    slowest = min(sweep_df.rate.unique(), key=hosts.rate_bits)
+    slowest = min(sweep_df.rate.unique(), key=hosts.link_bits)
     rows = [{"run": f"{r.mode} at {slowest}", "MB per step": r.comm_bytes / 1e6,
              "planned MB": r.predicted_grad_bytes / 1e6, "comm share": r.comm_share, "step s": r.step_time_s,
              "final loss": r.losses[-1]} for r in sweep_df[sweep_df.rate == slowest].itertuples()]

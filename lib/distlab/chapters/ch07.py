@@ -1,7 +1,9 @@
 """Chapter 07 (tensor parallelism): Megatron's split drawn, the by-hand and DTensor results set side by side,
 the bytes a layer all-reduces against the formula, the loss of a `tp` run against one device, the bytes one
 optimizer step sends under ddp, fsdp, tp and tp with sequence parallelism (formula and counted), and the 2-D
-(FSDP x TP) mesh drawn, run on 4 ranks and its per-rank bytes set against the planner."""
+(FSDP x TP) mesh drawn, run on 4 ranks and its per-rank bytes set against the planner; the devices, dtypes and
+loss tolerance each run gets on this machine (distlab.machine), and TP against DDP across shaped links (on
+loopback, labelled so, in the localhost fallback)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from distlab.chapters import ch05
 from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
 from distlab.inference.outputs import latency_stats, load_run, run_here
 from distlab.lan import host_runs
-from distlab.lan.hosts import burst_bytes, rate_bits
+from distlab.lan.hosts import LOOPBACK, burst_bytes, link_bits, link_bytes_per_s, rate_bits
 from distlab.launch import local
 from distlab.launch.torchrun import torchrun_flags
+from distlab.machine import TOLERANCES, AutoParameters, pick
 from distlab.metrics import read_log
 from distlab.planning.advice import communication_bytes, step_bytes_sent
 from distlab.planning.memory import state_vs_plan
@@ -204,13 +207,6 @@ def _saved(fig, path: str | Path, provenance: dict) -> Path:
 # ---------------------------------------------------------------- tables
 
 
-def folders(figures_dir: str | Path | None) -> tuple[Path, Path]:
-    """(the figures folder: the given one or figures/, build/ch07/ for the chapter's scripts)."""
-    work = paths.BUILD_DIR / "ch07"
-    work.mkdir(parents=True, exist_ok=True)
-    return (Path(figures_dir) if figures_dir else paths.FIGURES_DIR), work
-
-
 def allreduce_bytes_per_layer(batch: int, seq: int, hidden: int, bytes_per_value: int = 4) -> dict[str, int]:
     """Megatron's count: the block outputs (forward) and block input gradients (backward) of attention
     and MLP, each b x s x h values."""
@@ -241,6 +237,28 @@ def layer_bytes(by_hand: Mapping, dtensor: Mapping, batch: int, seq: int, hidden
     return table.astype(int)
 
 
+def loss_tolerance(*dtypes: str) -> float:
+    """The `auto` loss_atol for runs that compute in `dtypes`: the loosest of their tolerances
+    (distlab.machine.TOLERANCES), so a one-device run on a GPU in bf16 beside TP ranks on CPU in fp32 (one GPU:
+    the ranks cannot share it) is held to bf16's, and two fp32 runs to fp32's rounding."""
+    loose = TOLERANCES["bf16-autocast"]["loss_atol"]  # any dtype but fp32 rounds like bf16 or worse
+    return max(TOLERANCES["fp32"]["loss_atol"] if d == "fp32" else loose for d in dtypes)
+
+
+def run_devices(device: str, dtype: str, auto: AutoParameters) -> tuple[dict[str, str], dict[str, str]]:
+    """(the one-device run's device and dtype, the distributed runs'): "auto" takes distlab.machine's choice,
+    a GPU for one device where there is one and for the ranks only where each gets its own; an explicit value
+    (a profile's, the reader's) applies to both."""
+    return ({"device": pick(device, auto.device), "dtype": pick(dtype, auto.dtype)},
+            {"device": pick(device, auto.rank_device), "dtype": pick(dtype, auto.rank_dtype)})
+
+
+def rank_needs(device: str, ranks: int) -> tuple[str, ...]:
+    """What `ranks` ranks on `device` need of the machine (distlab.machine.Sections): a GPU each under NCCL,
+    nothing on CPU (gloo ranks may share cores: the runs check what is computed, not speed)."""
+    return (f"gpus:{ranks}",) if device == "cuda" else ()
+
+
 def loss_comparison(single_log: str | Path, tp_log: str | Path, label: str = "tp, 2 ranks") -> pd.DataFrame:
     """Step losses of one device and of a split run (the steps both ran), and their difference."""
     one = pd.DataFrame(read_log(single_log)).set_index("step")["loss"]
@@ -252,12 +270,13 @@ def loss_comparison(single_log: str | Path, tp_log: str | Path, label: str = "tp
 TP_RUNS = "07_tp_runs"  # the launch that runs both tp runs, one after the other in the same two ranks
 
 
-def train_one_and_tp(overrides: Mapping, timeout_s: int = 300) -> dict[str, local.TrainJob]:
-    """The same full fine-tuning on one process (`single`) and on two tensor-parallel ranks, twice in one launch:
-    the layers split (`tp`), then the vocabulary split as well (`tp_vocab`: vocab_parallel), each rank's
-    state bytes recorded."""
-    single = local.launch_training("07_single", 1, {**overrides, "strategy": "single"}, timeout_s=timeout_s,
-                                   echo=False)
+def train_one_and_tp(overrides: Mapping, timeout_s: int = 300,
+                     one_device: Mapping | None = None) -> dict[str, local.TrainJob]:
+    """The same full fine-tuning on one process (`single`, with `one_device`'s device and dtype on top) and on two
+    tensor-parallel ranks, twice in one launch: the layers split (`tp`), then the vocabulary split as well
+    (`tp_vocab`: vocab_parallel), each rank's state bytes recorded."""
+    single = local.launch_training("07_single", 1, {**overrides, **(one_device or {}), "strategy": "single"},
+                                   timeout_s=timeout_s, echo=False)
     split = local.launch_sweep(TP_RUNS, 2, {**overrides, "strategy": "tp", "measure_state": True},
                                {"07_tp": {}, "07_tp_vocab": {"vocab_parallel": True}}, timeout_s=timeout_s, echo=False)
     return {"single": single, "tp": split["07_tp"], "tp_vocab": split["07_tp_vocab"]}
@@ -280,7 +299,7 @@ def measure_step_bytes(rows: int, seq_len: int, timeout_s: int = 300) -> dict:
     parallelism and tp with the vocabulary split, on two ranks on CPU (gloo), from the same weights on the same
     `rows` x `seq_len` batch, each step's collectives counted (distlab.workers.step_bytes; a counting run:
     nothing is timed)."""
-    out = folders(None)[1] / "step_bytes.json"
+    out = paths.chapter_folders(None, "ch07")[1] / "step_bytes.json"
     args = ["--rows", str(rows), "--set", f"seq_len={seq_len}", "--set", "device=cpu", "--set", "dtype=fp32"]
     launcher.run_worker("distlab.workers.step_bytes", out, args, torchrun_flags(2), timeout_s=timeout_s, echo=False)
     measured = json.loads(out.read_text())
@@ -336,7 +355,7 @@ def decode_comparison(model: str | None = None, prompts: int = 8, new_tokens: in
     (every micro-batch in flight), and tensor-parallel decoding (distlab.inference.tp_decode) on 1 and 2
     ranks, all on CPU (gloo). Returns one row per (way, batch size) with tokens/s, time to first token and
     per-token latency in ms, and whether each 2-rank way's tokens equal its 1-rank way's."""
-    work = folders(None)[1] / "decode"
+    work = paths.chapter_folders(None, "ch07")[1] / "decode"
     common = ["--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens),
               "--batch-size", ",".join(map(str, batch_sizes))] + (["--model", model] if model else [])
     ways = {"pipeline, 1 stage": ("distlab.inference", 1), "pipeline, 2 stages": ("distlab.inference", 2),
@@ -387,7 +406,7 @@ def link_runs(rates: Sequence[str], rows: int, seq_len: int) -> list[lan_ddp.Lin
     common = {**LINK_TRAINING, "seq_len": seq_len}
     return [lan_ddp.LinkRun(f"07_link_{rate}_{strategy}", rate, {**common, "strategy": strategy,
                                                                  "micro_batch_size": rows // split})
-            for rate in sorted(rates, key=rate_bits, reverse=True) for strategy, split in (("tp", 1), ("ddp", 2))]
+            for rate in sorted(rates, key=link_bits, reverse=True) for strategy, split in (("tp", 1), ("ddp", 2))]
 
 
 def median_step_s(log: str | Path) -> float:
@@ -401,15 +420,23 @@ def link_sweep(rates: Sequence[str], steps: int = 4, rows: int = 4, seq_len: int
     """tp and ddp on 2 emulated hosts (chapter 05's namespaces, links shaped with tc tbf) at each rate, in ONE
     launch (lan_ddp.run_on_links: each run gets its rate as it starts). Returns (one row per rate and
     strategy: the median steady step time and where it ran; which mode ran and why, as chapter 05 prints it).
-    Without namespaces the runs go to localhost agents over loopback: no rate is shaped there."""
-    runs = link_runs(rates, rows, seq_len)
+    Without namespaces the runs go to localhost agents over loopback, once each, at the "rate" loopback: no rate
+    is applied there, so none is claimed."""
     placement = host_runs.place(2, max(rates, key=rate_bits), force_local=force_local)
+    runs = link_runs(placement.link_rates(rates), rows, seq_len)
     with placement.running():
         lan_ddp.run_on_links(placement, "07_link", runs, steps, timeout_s=timeout_s)
-    table = pd.DataFrame([{"rate": r.rate, "Gbit/s": rate_bits(r.rate) / 1e9, "strategy": r.overrides["strategy"],
+    table = pd.DataFrame([{"rate": r.rate, "Gbit/s": link_bytes_per_s(r.rate) * 8 / 1e9,  # NaN on loopback
+                           "strategy": r.overrides["strategy"],
                            "step s": median_step_s(lan_ddp.RUNS / r.name / "train_log.jsonl"),
                            "placement": placement.kind} for r in runs])
-    return table, ch05.mode(placement)
+    return table, ch05.mode(placement, demos=False)
+
+
+def why_unshaped(sweep: pd.DataFrame) -> str | None:
+    """Why the sweep's step times say nothing about link rates (None when every run was on a shaped link)."""
+    shaped = (sweep.placement == "namespaces").all()
+    return None if shaped else "the links are loopback, not shaped (localhost fallback)"
 
 
 def link_prediction(sent: Mapping[str, float], rates: Sequence[str], burst: bool = False) -> pd.DataFrame:
@@ -424,7 +451,11 @@ def link_prediction(sent: Mapping[str, float], rates: Sequence[str], burst: bool
 
 def link_table(sweep: pd.DataFrame, sent: Mapping[str, float]) -> pd.DataFrame:
     """Per rate and strategy: MB sent per step, those bytes / the rate, the link floor (the bytes beyond one
-    tbf burst / the rate) and the measured slow-down (the median step time minus the one at the fastest rate)."""
+    tbf burst / the rate) and the measured slow-down (the median step time minus the one at the fastest rate).
+    On loopback (the localhost fallback) only the step time and the bytes: there is no rate to divide by."""
+    if why_unshaped(sweep):
+        out = sweep.assign(**{"MB per step": sweep.strategy.map(sent) / 1e6})
+        return out.set_index(["rate", "strategy"])[["step s", "MB per step"]].round(3)
     fastest = sweep.loc[sweep["Gbit/s"].idxmax(), "rate"]
     base = sweep[sweep.rate == fastest].set_index("strategy")["step s"]
     rates = list(sweep.rate.unique())
@@ -439,7 +470,10 @@ def link_table(sweep: pd.DataFrame, sent: Mapping[str, float]) -> pd.DataFrame:
 
 def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path, provenance: dict) -> Path:
     """Median step time against the link rate (log x), tp and ddp, each beside its prediction: the step at
-    the fastest rate plus the bytes it sends per step over the rate."""
+    the fastest rate plus the bytes it sends per step over the rate. On loopback (the localhost fallback) the
+    two measured steps as bars, labelled loopback, not shaped: no rate was applied, so no axis of rates."""
+    if why_unshaped(sweep):
+        return _loopback_figure(sweep, sent, path, provenance)
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     grid = np.geomspace(sweep["Gbit/s"].min(), sweep["Gbit/s"].max(), 60)
     for strategy, color in (("tp", "C3"), ("ddp", "C0")):
@@ -450,8 +484,22 @@ def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path
     ax.set_xscale("log")
     ax.set_xlabel("link rate, tc tbf on each host's link (Gbit/s)")
     ax.set_ylabel("median step time (s)")
-    where = ("2 emulated hosts, links shaped by tc tbf" if (sweep.placement == "namespaces").all()
-             else "FALLBACK: 2 agents on localhost, links NOT shaped")
-    ax.set_title(f"tp and ddp on 2 ranks, tiny model with LoRA, the same rows per step\n{where}", fontsize=10)
+    ax.set_title("tp and ddp on 2 ranks, tiny model with LoRA, the same rows per step\n"
+                 "2 emulated hosts, links shaped by tc tbf", fontsize=10)
     ax.legend(fontsize=8)
+    return _saved(fig, path, provenance)
+
+
+def _loopback_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path, provenance: dict) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = sweep.set_index("strategy")["step s"]
+    for i, (strategy, color) in enumerate((("tp", "C3"), ("ddp", "C0"))):
+        ax.bar(i, steps[strategy], 0.5, color=color, alpha=0.7)
+        ax.text(i, steps[strategy], f"{steps[strategy]:.3f} s\n{sent[strategy] / 1e6:.1f} MB per step", ha="center",
+                va="bottom", fontsize=8)
+    ax.set_xticks([0, 1], ["tp", "ddp"])
+    ax.set_ylim(0, 1.3 * steps.max())
+    ax.set_ylabel("median step time (s)")
+    ax.set_title("tp and ddp on 2 ranks, tiny model with LoRA, the same rows per step\n"
+                 f"FALLBACK: 2 agents on localhost: {LOOPBACK}, not shaped (no link rate applied)", fontsize=10)
     return _saved(fig, path, provenance)

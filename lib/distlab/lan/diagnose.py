@@ -11,6 +11,8 @@ table shows what a user will actually see (and a rule that stops matching shows 
 from __future__ import annotations
 
 import re
+import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -105,17 +107,38 @@ def _in_host(placement, i: int, argv: Sequence[str], timeout: float = 20) -> sub
 LISTEN = ("import socket,sys\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
           "s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(16); s.settimeout(15); print('listening', flush=True)\n"
           "for _ in range(int(sys.argv[3])):\n    c, _ = s.accept(); c.close()\n")
+# What `bash -c 'exec 3<>/dev/tcp/HOST/PORT'` checks on a LAN, in Python: no bash, no /dev/tcp, no `timeout`
+# (macOS has none), the same answer.
+CONNECT = "import socket,sys\nsocket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()\n"
 
 
-def checklist(placement, port: int) -> list[dict]:
-    """Before a multi-node launch: every host's interface is up with its address; host 0 can listen on the
-    rendezvous port; every host reaches it there. (Identical software: distlab.workers.fingerprint.)"""
-    rows = []
-    for i, addr in enumerate(placement.addresses):
-        res = _in_host(placement, i, ["ip", "-br", "addr", "show", placement.ifname])
+def interface_row(placement, i: int, use_ip: bool) -> dict:
+    """Host i's interface is up and holds its address: `ip -br addr` where this machine has iproute2 (always on
+    the namespace cluster), else the interface table Python reads (psutil: macOS, or Linux without iproute2)."""
+    name, addr = placement.ifname, placement.addresses[i]
+    check = {"check": f"interface {name} up with {addr}", "host": placement.name(i)}
+    if use_ip:
+        res = _in_host(placement, i, ["ip", "-br", "addr", "show", name])
         ok = res.returncode == 0 and ("UP" in res.stdout or "UNKNOWN" in res.stdout) and addr in res.stdout
-        rows.append({"check": f"interface {placement.ifname} up with {addr}", "host": placement.name(i), "ok": ok,
-                     "detail": (res.stdout or res.stderr).strip()})
+        return {**check, "ok": ok, "detail": (res.stdout or res.stderr).strip()}
+    import psutil  # deferred: only the fallback without iproute2 reads the interfaces itself
+
+    stats, addrs = psutil.net_if_stats(), psutil.net_if_addrs()
+    if name not in stats:
+        return {**check, "ok": False, "detail": f"no interface {name}; this machine has {', '.join(sorted(stats))}"}
+    held = [a.address for a in addrs.get(name, ()) if a.family == socket.AF_INET]
+    return {**check, "ok": stats[name].isup and addr in held,
+            "detail": f"{name} {'UP' if stats[name].isup else 'DOWN'} {' '.join(held)} (psutil: no `ip` here)"}
+
+
+def checklist(placement, port: int, network_tools: bool | None = None) -> list[dict]:
+    """Before a multi-node launch: every host's interface is up with its address; host 0 can listen on the
+    rendezvous port; every host reaches it there. (Identical software: distlab.workers.fingerprint.)
+    `network_tools`: whether this machine has `ip` (distlab.machine.Machine.network_tools; None: look on PATH);
+    without it the interfaces are read through psutil, so the fallback never starts a command it lacks."""
+    use_ip = placement.cluster is not None or (shutil.which("ip") is not None if network_tools is None
+                                               else network_tools)
+    rows = [interface_row(placement, i, use_ip) for i in range(len(placement.addresses))]
     others = list(range(1, len(placement.addresses)))
     listener = subprocess.Popen([*placement.prefix(0), sys.executable, "-c", LISTEN, placement.addresses[0],
                                  str(port), str(len(others))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -125,10 +148,10 @@ def checklist(placement, port: int) -> list[dict]:
         rows.append({"check": f"port {port} free on the rendezvous host", "host": placement.name(0), "ok": ready,
                      "detail": "bound" if ready else listener.stderr.read().strip()[-200:]})
         for i in others:
-            probe = f"exec 3<>/dev/tcp/{placement.addresses[0]}/{port}"
-            res = _in_host(placement, i, ["timeout", "5", "bash", "-c", probe])
+            res = _in_host(placement, i, [sys.executable, "-c", CONNECT, placement.addresses[0], str(port)])
+            error = res.stderr.strip().splitlines()[-1:] if res.returncode else []
             rows.append({"check": f"reaches {placement.addresses[0]}:{port}", "host": placement.name(i),
-                         "ok": res.returncode == 0, "detail": res.stderr.strip()[-200:] or "connected"})
+                         "ok": res.returncode == 0, "detail": error[0][-200:] if error else "connected"})
     finally:
         listener.kill()
         listener.wait()

@@ -8,7 +8,7 @@ writes, each started inside its host (namespace, CPU share, memory cap) through 
 The scripts are the ones a real 3-machine LAN runs (static or c10d rendezvous at host 0's address,
 GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME from the lan-ethernet preset: eth0, which is also the emulated
 hosts' interface). Without namespaces (no root, no iproute2) `place` falls back to agents on localhost
-(127.0.0.1, interface lo) and says so: `placement.kind` is "namespaces" or "localhost".
+(127.0.0.1, the loopback interface: lo, lo0 on macOS) and says so: `placement.kind` is "namespaces" or "localhost".
 
 A failed node does not stop the others by itself (on a real LAN nothing would tell them): they fail at
 their next collective, within TrainConfig.collective_timeout_s, or at the script's hard limit. Each
@@ -32,6 +32,7 @@ from distlab.lan import hosts
 from distlab.lan.cgroups import HostLimits, Throttle
 from distlab.lan.cgroups import supported as cgroups_supported
 from distlab.launch.local import TINY_CONFIG, training_spec
+from distlab.launch.network import loopback_ifname
 from distlab.launch.process import RunResult, run
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import write_scripts
@@ -57,13 +58,23 @@ class Placement:
     def addresses(self) -> list[str]:
         return self.cluster.addresses[:self.nodes] if self.cluster else ["127.0.0.1"] * self.nodes
 
+    @property
+    def why_unshaped(self) -> str | None:
+        """Why no claim about link rates holds here (None on the namespace cluster, whose links are shaped)."""
+        return None if self.cluster else "the links are loopback, not shaped (localhost fallback)"
+
+    def link_rates(self, rates: Sequence[str]) -> list[str]:
+        """The rates a sweep really applies: `rates` on the namespace cluster; on localhost the one unshaped
+        loopback (hosts.LOOPBACK), measured once instead of once per rate it would never have."""
+        return list(rates) if self.cluster else [hosts.LOOPBACK]
+
     def subset(self, nodes: int) -> "Placement":
         """The first `nodes` hosts of the same cluster (a 2-host job on the 3-host LAN)."""
         return Placement(nodes, self.cluster, self.why_local)
 
     @property
     def ifname(self) -> str:
-        return hosts.IFNAME if self.cluster else "lo"
+        return hosts.IFNAME if self.cluster else loopback_ifname()
 
     def name(self, i: int) -> str:
         return self.cluster.hosts[i].ns if self.cluster else f"local{i}"
@@ -103,7 +114,8 @@ def cluster_spec(placement: Placement, base: LaunchSpec, rendezvous: str = "stat
              else dict(master_addr=None, rdzv_endpoint=f"{addr}:{port}"))
     env = {**base.env}
     if not placement.cluster:  # the preset's eth0 is not this machine's loopback
-        env.update(GLOO_SOCKET_IFNAME="lo", NCCL_SOCKET_IFNAME="lo")
+        loopback = loopback_ifname()
+        env.update(GLOO_SOCKET_IFNAME=loopback, NCCL_SOCKET_IFNAME=loopback)
     return dataclasses.replace(base, nnodes=placement.nodes, nproc_per_node=1, node_rank=0, rendezvous=rendezvous,
                                hosts=placement.addresses if placement.cluster else [], network="lan-ethernet",
                                env=env, max_restarts=max_restarts, **where)

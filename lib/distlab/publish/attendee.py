@@ -82,11 +82,27 @@ def as_attendee(work: Path) -> list[str]:
     if subprocess.run(["id", USER], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER], check=True)
     subprocess.run(["chown", "-R", USER, str(work)], check=True)
-    for folder in blocked_folders(USER, [paths.REPO_ROOT, Path(sys.executable).parent, work]):
-        # a reader owns their clone; this user must at least pass through the folders above ours
-        print(f"attendee run: {folder} is closed to other users: opening it for passing through (o+x)")
-        folder.chmod(folder.stat().st_mode | 0o001)
     return ["runuser", "-u", USER, "--"]
+
+
+def open_the_way(work: Path) -> dict[Path, int]:
+    """As root: let the attendee pass through (o+x) the folders above the checkout, the interpreter (a pyenv
+    Python under /root, mode 700, is common) and the work folder, as a reader who owns all three can.
+    Returns the folders changed with their old modes, for `close_the_way`."""
+    if os.geteuid() != 0:
+        return {}
+    targets = [paths.REPO_ROOT, Path(sys.executable).resolve(), work]
+    changed = {}
+    for folder in blocked_folders(USER, targets):
+        print(f"attendee run: {folder} is closed to other users: opening it for passing through (o+x) until the end")
+        changed[folder] = folder.stat().st_mode
+        folder.chmod(changed[folder] | 0o001)
+    return changed
+
+
+def close_the_way(changed: dict[Path, int]) -> None:
+    for folder, mode in changed.items():
+        folder.chmod(mode)
 
 
 def blocked_folders(user: str, targets: list[Path]) -> list[Path]:
@@ -100,8 +116,9 @@ def blocked_folders(user: str, targets: list[Path]) -> list[Path]:
     return blocked
 
 
-def lane_command(env: dict[str, str], work: Path, core: int, chapters: list[str], lane: int) -> list[str]:
-    return [*as_attendee(work), "env", "-i", *(f"{k}={v}" for k, v in env.items()), "taskset", "-c", str(core),
+def lane_command(prefix: list[str], env: dict[str, str], work: Path, core: int, chapters: list[str],
+                 lane: int) -> list[str]:
+    return [*prefix, "env", "-i", *(f"{k}={v}" for k, v in env.items()), "taskset", "-c", str(core),
             sys.executable, "-m", "distlab.publish.regenerate", "--profile", "quick", "--force", "--only", *chapters,
             "--figures-dir", str(work / "figures"), "--out-dir", str(work / "notebooks"),
             "--work-dir", str(work / f"lane{lane}"), "--cache-dir", str(work / f"cache{lane}"),
@@ -148,19 +165,24 @@ def attend(work: Path, only: list[str] | None = None, lanes: int | None = None) 
     lanes = lanes or (2 if usable_cores() >= 2 else 1)
     cores = sorted(os.sched_getaffinity(0))
     env = prepare(work)
+    prefix = as_attendee(work)  # the user exists and owns the work folder before its lanes start
     plan = split_lanes(only, lanes)
     results: list = [None] * len(plan)
 
     def lane(i: int) -> None:
-        cmd = lane_command(env, work, cores[i % len(cores)], plan[i], i)
+        cmd = lane_command(prefix, env, work, cores[i % len(cores)], plan[i], i)
         results[i] = run(cmd, timeout_s=CHAPTER_TIMEOUT_S * len(plan[i]), log_path=work / f"lane{i}.log",
                          echo=lambda line, i=i: print(f"[lane {i}] {line}", flush=True), check=False)
 
     threads = [threading.Thread(target=lane, args=(i,)) for i in range(len(plan))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    changed = open_the_way(work)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        close_the_way(changed)
     summary = merge_summaries(work, len(plan))
     summary["ok"] = bool(summary.get("ok")) and all(r is not None and r.returncode == 0 for r in results)
     return summary

@@ -11,9 +11,11 @@ steps at each world size (the global batch must divide), the pipeline's micro-ba
 torchrun launch spec, validated field by field.
 
 Which launches a chapter makes is read from its parameters by the rules in `launches`: world sizes from
-`world_sizes`, `oversubscribe` and `nproc`; strategies from `strategies` (chapter 03), the pipeline
-table's rows (chapter 04), DDP otherwise. A chapter that calls no `local.launch_*` but has a training
-budget (chapter 01) trains in its kernel: its config is checked at world size 1.
+`world_sizes`, `oversubscribe` and `nproc` (an "auto" value as each machine a workshop brings resolves
+it: distlab.machine.example_machines; the gpu profile on the machines with GPUs only); strategies from
+`strategies` (chapter 03), the pipeline table's rows (chapter 04), DDP otherwise. A chapter that calls no
+`local.launch_*` but has a training budget (chapter 01) trains in its kernel: its config is checked at world
+size 1.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from distlab import paths
 from distlab.cli import run_main
 from distlab.config import PIPELINE_STRATEGIES, load_config
 from distlab.launch.local import TINY_CONFIG, training_spec
+from distlab.machine import auto_parameters, example_machines, fitting_global_batch
 from distlab.publish.profiles import discover, load_profiles, parameters_for, selects
 
 CONFIG_KEYS_OF_CHAPTERS = ("model", "device", "dtype", "seq_len", "micro_batch_size", "global_batch_size",
@@ -67,6 +70,27 @@ def notebook_defaults(notebook: str | Path) -> dict[str, Any]:
 def launches_training(notebook: str | Path) -> bool:
     nb = nbformat.read(str(notebook), as_version=4)
     return any("launch_training(" in c.source or "launch_sweep(" in c.source for c in nb.cells if c.cell_type == "code")
+
+
+AUTO_LAUNCH_FIELDS = ("world_sizes", "oversubscribe", "nproc")  # the parameters that shape a launch
+
+
+def on_machines(params: dict[str, Any], gpus_only: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(machine, the parameters with their "auto" launch values resolved there), for every example machine
+    (only those with GPUs when `gpus_only`); one unnamed entry when no launch parameter says "auto"."""
+    if not any(params.get(k) == "auto" for k in AUTO_LAUNCH_FIELDS):
+        return [("", params)]
+    out = []
+    for name, machine in example_machines().items():
+        if gpus_only and not machine.gpus:
+            continue
+        auto = auto_parameters(machine)
+        resolved = {**params, **{k: getattr(auto, k) for k in AUTO_LAUNCH_FIELDS if params.get(k) == "auto"}}
+        if resolved.get("global_batch_size") == "auto":  # as the chapter resolves it, from the ranks it runs
+            ranks = [*resolved.get("world_sizes", []), resolved.get("nproc") or 1]
+            resolved["global_batch_size"] = fitting_global_batch(resolved["micro_batch_size"], ranks)
+        out.append((name, resolved))
+    return out
 
 
 def launches(stem: str, params: dict[str, Any]) -> list[Launch]:
@@ -137,7 +161,10 @@ def check(profiles: Iterable[str] | None = None, notebooks_dir: str | Path = pat
             # what the notebook sees: its defaults, replaced by the profile's values it declares
             merged = {**defaults, **{k: v for k, v in given.items() if k in defaults}}
             if launches_training(nb):
-                planned = launches(nb.stem, merged)
+                planned = [Launch(f"{launch.name} on {where}" if where else launch.name, launch.world_size,
+                                  launch.overrides, launch.in_process)
+                           for where, params in on_machines(merged, gpus_only=profile == "gpu")
+                           for launch in launches(nb.stem, params)]
             elif "max_steps" in defaults and "micro_batch_size" in defaults:  # trains in the kernel itself
                 planned = [Launch(f"{nb.stem}:in-process", 1, {k: merged[k] for k in CONFIG_KEYS_OF_CHAPTERS
                                                                if k in merged}, in_process=True)]
