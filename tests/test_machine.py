@@ -12,6 +12,7 @@ EXAMPLES = example_machines()
 
 # machine -> (device, dtype, rank_device, nproc, world_sizes, oversubscribe, loss_rtol, loss_atol, check_rtol)
 EXPECTED = {
+    "Linux laptop, 4 cores, normal user": ("cpu", "fp32", "cpu", 2, [1, 2, 4], 8, 1e-4, 1e-5, 1e-6),
     "Linux laptop, 8 cores, normal user": ("cpu", "fp32", "cpu", 2, [1, 2, 4], 0, 1e-4, 1e-5, 1e-6),
     "macOS laptop, 10 cores": ("cpu", "fp32", "cpu", 2, [1, 2, 4], 0, 1e-4, 1e-5, 1e-6),
     "cloud VM, 1 core": ("cpu", "fp32", "cpu", 2, [1, 2], 0, 1e-4, 1e-5, 1e-6),
@@ -104,7 +105,8 @@ def test_a_tolerance_follows_the_dtype_a_run_computes_in():
     from distlab.device import choose_device
 
     assert machine.tolerance("check_rtol", choose_device("cpu", "fp32")) == 1e-6
-    assert machine.tolerance("check_rtol", choose_device("cpu", "bf16-autocast")) == 1e-3
+    assert machine.tolerance("check_rtol", choose_device("cpu", "bf16-autocast")) == 1e-6  # a CPU rounds alike
+    assert machine.tolerance("loss_rtol", choose_device("cpu", "bf16-autocast")) == 0.05
     assert machine.tolerance("loss_rtol", choose_device("cpu", "bf16")) == 0.05
 
 
@@ -113,6 +115,8 @@ def test_the_global_batch_splits_over_every_world_size_a_machine_runs():
     assert machine.fitting_global_batch(2, [1, 2, 4]) == 8
     assert machine.fitting_global_batch(2, [1, 2, 4, 8]) == 16  # a GPU node's 8 ranks of 2 rows
     assert machine.fitting_global_batch(3, [1, 2]) == 24
-    for micro, ranks in ((2, [8]), (3, [1, 2, 4]), (4, [1, 2, 4, 8])):
+    assert machine.fitting_global_batch(2, [1, 2, 4, 8]) == 16 and machine.fitting_global_batch(1, [3, 4]) == 24
+    assert machine.fitting_global_batch(2, [1, 2, 4, 0]) == 8  # 0: no oversubscribed run
+    for micro, ranks in ((2, [8]), (3, [1, 2, 4]), (4, [1, 2, 4, 8]), (2, [1, 2, 4, 8, 6])):
         rows = machine.fitting_global_batch(micro, ranks)
         assert all(rows % (micro * k) == 0 for k in ranks)

@@ -348,19 +348,22 @@ def plot_timelines(runs: dict[str, Any], step: int | None = None, figsize=(11, 3
 
 
 def compare_pipelines(base: dict, micro_batch_size: int, grad_accum: int, steps: int, nproc: int,
-                      timeout_s: int = 900) -> tuple[pd.DataFrame, dict]:
+                      timeout_s: int = 900, deepspeed: bool = True) -> tuple[pd.DataFrame, dict]:
     """Single-device training, then torch's pipeline (GPipe and 1F1B) and DeepSpeed's PipelineModule back to
-    back in one launch, on the same global batch. Returns (the loss per step of each, the jobs)."""
+    back in one launch, on the same global batch (`deepspeed=False`: torch's two alone, where DeepSpeed's op
+    cannot be built). Returns (the loss per step of each, the jobs)."""
     cmp = {**base, "micro_batch_size": micro_batch_size, "grad_accum": grad_accum, "max_steps": steps,
            "warmup_steps": 1}
     jobs = {"single device": launch_training("04_single", 1, {**cmp, "strategy": "single", "pipeline_stages": None,
                                                               "stage_layers": None}, timeout_s=timeout_s, echo=False)}
-    split = launch_sweep("04_pipelines", nproc, {**cmp, "strategy": "pipeline"},
-                         {"04_ds_pipeline": {"strategy": "ds_pipeline"},
-                          "04_pipeline_gpipe": {"pipeline_schedule": "gpipe"},
-                          "04_pipeline_1f1b": {"pipeline_schedule": "1f1b"}}, timeout_s=timeout_s, echo=False)
-    jobs.update({"DeepSpeed PipelineModule": split["04_ds_pipeline"], "pipeline, GPipe": split["04_pipeline_gpipe"],
-                 "pipeline, 1F1B": split["04_pipeline_1f1b"]})
+    variants = {"DeepSpeed PipelineModule": ("04_ds_pipeline", {"strategy": "ds_pipeline"}),
+                "pipeline, GPipe": ("04_pipeline_gpipe", {"pipeline_schedule": "gpipe"}),
+                "pipeline, 1F1B": ("04_pipeline_1f1b", {"pipeline_schedule": "1f1b"})}
+    if not deepspeed:
+        del variants["DeepSpeed PipelineModule"]
+    split = launch_sweep("04_pipelines", nproc, {**cmp, "strategy": "pipeline"}, dict(variants.values()),
+                         timeout_s=timeout_s, echo=False)
+    jobs.update({label: split[name] for label, (name, _) in variants.items()})
     curves = pd.DataFrame({label: [r["loss"] for r in read_log(job.log)] for label, job in jobs.items()},
                           index=range(1, steps + 1)).rename_axis("step")
     return curves, jobs

@@ -299,7 +299,8 @@ def measure_step_bytes(rows: int, seq_len: int, timeout_s: int = 300) -> dict:
     parallelism and tp with the vocabulary split, on two ranks on CPU (gloo), from the same weights on the same
     `rows` x `seq_len` batch, each step's collectives counted (distlab.workers.step_bytes; a counting run:
     nothing is timed)."""
-    out = paths.chapter_folders(None, "ch07")[1] / "step_bytes.json"
+    out = paths.BUILD_DIR / "ch07" / "step_bytes.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     args = ["--rows", str(rows), "--set", f"seq_len={seq_len}", "--set", "device=cpu", "--set", "dtype=fp32"]
     launcher.run_worker("distlab.workers.step_bytes", out, args, torchrun_flags(2), timeout_s=timeout_s, echo=False)
     measured = json.loads(out.read_text())
@@ -355,7 +356,8 @@ def decode_comparison(model: str | None = None, prompts: int = 8, new_tokens: in
     (every micro-batch in flight), and tensor-parallel decoding (distlab.inference.tp_decode) on 1 and 2
     ranks, all on CPU (gloo). Returns one row per (way, batch size) with tokens/s, time to first token and
     per-token latency in ms, and whether each 2-rank way's tokens equal its 1-rank way's."""
-    work = paths.chapter_folders(None, "ch07")[1] / "decode"
+    work = paths.BUILD_DIR / "ch07" / "decode"
+    work.mkdir(parents=True, exist_ok=True)
     common = ["--num-prompts", str(prompts), "--max-new-tokens", str(new_tokens),
               "--batch-size", ",".join(map(str, batch_sizes))] + (["--model", model] if model else [])
     ways = {"pipeline, 1 stage": ("distlab.inference", 1), "pipeline, 2 stages": ("distlab.inference", 2),

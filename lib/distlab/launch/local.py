@@ -27,6 +27,7 @@ from distlab.config import PIPELINE_STRATEGIES, load_config
 from distlab.launch.process import RunResult, run
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, write_scripts
+from distlab.machine import usable_cores
 from distlab.paths import BUILD_DIR, REPO_ROOT, RUNS_DIR
 
 TINY_CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
@@ -42,7 +43,6 @@ def max_local_ranks(device: str = "auto") -> tuple[int, str]:
     """How many ranks one local launch can hold for a config's `device`, and the reason (for the message)."""
     import torch  # deferred: writing and running scripts needs no torch; only this question does
 
-    from distlab.measure.envcheck import usable_cores  # deferred: it loads torch too
 
     if device != "cpu" and torch.cuda.is_available():  # NCCL refuses two ranks on one GPU
         n = torch.cuda.device_count()

@@ -31,7 +31,6 @@ from pathlib import Path
 from distlab import paths
 from distlab.cli import run_main
 from distlab.launch.process import run
-from distlab.machine import usable_cores
 from distlab.strategies.deepspeed_runtime import extensions_dir
 
 USER = os.environ.get("ATTENDEE_USER", "distlab-attendee")
@@ -44,8 +43,10 @@ CHAPTER_TIMEOUT_S = 1800
 SKIP_MARKS = ("skipped:", "not checked:", "not asserted")
 
 
-def reduced_path(folder: Path, path: str = os.environ.get("PATH", "")) -> Path:
-    """A folder of symlinks to every tool on `path` except HIDDEN_TOOLS (the first of a name wins)."""
+def reduced_path(folder: Path, path: str | None = None) -> Path:
+    """A folder of symlinks to every tool on `path` (default: this process's PATH) except HIDDEN_TOOLS (the
+    first of a name wins)."""
+    path = os.environ.get("PATH", "") if path is None else path
     folder.mkdir(parents=True, exist_ok=True)
     for directory in path.split(os.pathsep):
         if not os.path.isdir(directory):
@@ -162,8 +163,8 @@ def skipped_lines(notebooks: Path) -> list[str]:
 
 def attend(work: Path, only: list[str] | None = None, lanes: int | None = None) -> dict:
     """Run the chapters as an attendee into `work`; returns the merged summary (ok: every chapter ran)."""
-    lanes = lanes or (2 if usable_cores() >= 2 else 1)
-    cores = sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0))  # Linux: taskset and runuser are too
+    lanes = lanes or (2 if len(cores) >= 2 else 1)
     env = prepare(work)
     prefix = as_attendee(work)  # the user exists and owns the work folder before its lanes start
     plan = split_lanes(only, lanes)

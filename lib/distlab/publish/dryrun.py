@@ -87,7 +87,7 @@ def on_machines(params: dict[str, Any], gpus_only: bool) -> list[tuple[str, dict
         auto = auto_parameters(machine)
         resolved = {**params, **{k: getattr(auto, k) for k in AUTO_LAUNCH_FIELDS if params.get(k) == "auto"}}
         if resolved.get("global_batch_size") == "auto":  # as the chapter resolves it, from the ranks it runs
-            ranks = [*resolved.get("world_sizes", []), resolved.get("nproc") or 1]
+            ranks = [*resolved.get("world_sizes", []), resolved.get("oversubscribe") or 0, resolved.get("nproc") or 1]
             resolved["global_batch_size"] = fitting_global_batch(resolved["micro_batch_size"], ranks)
         out.append((name, resolved))
     return out
