@@ -118,7 +118,11 @@ def bare_path(tmp_path, monkeypatch):
             assert real, f"this test needs {name} on PATH"
             (tools / name).symlink_to(real)
         monkeypatch.setenv("PATH", str(tools))
-        monkeypatch.delenv("CXX", raising=False)
+        # set, then removed: monkeypatch then removes on teardown the $CXX that preflight sets (a delenv of an
+        # absent variable records nothing, and a leaked CXX made every later DeepSpeed build in this pytest
+        # process name a temporary g++: the op cache then no longer matched a plain `c++` run)
+        monkeypatch.setenv("CXX", "")
+        monkeypatch.delenv("CXX")
         return tools
 
     return use
