@@ -19,9 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PIP_STEP = "-m pip install"  # what the stamp's recipe echoes once it runs: no broken case may get there
 
 
+# `make test` runs this suite inside make: its MAKELEVEL would turn the reader's "make: ***" into "make[1]: ***" (and
+# MAKEFLAGS would pass make test's flags down), so each case runs make as a reader types it, from a plain shell.
+_MAKE_STATE = ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")
+
+
 def _make(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in _MAKE_STATE}
     return subprocess.run(["make", "--no-print-directory", *args], capture_output=True, text=True, cwd=REPO_ROOT,
-                          timeout=120)
+                          env=env, timeout=120)
 
 
 def _one_line(proc: subprocess.CompletedProcess) -> str:
