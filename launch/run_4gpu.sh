@@ -38,6 +38,7 @@ exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 3600 --kill-after-s 60 -- 
   --nproc-per-node 4 \
   --max-restarts 0 \
   --standalone \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --log-dir logs/run_4gpu \
   --tee 3 \
   -m distlab.train --config lib/distlab/configs/enterprise_7b_lora.yaml --set strategy=ddp --set max_steps=150 --set output_dir=build/runs/enterprise_7b/run_4gpu

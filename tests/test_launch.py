@@ -325,7 +325,8 @@ def test_quoted_values_reach_the_program_verbatim(tmp_path):
     assert argv[0] == str(odd)  # the spec's interpreter, found through its odd path
     assert argv[1:8] == ["-m", "distlab.launch.watchdog", "--timeout-s", "60", "--kill-after-s", "60", "--"]
     assert argv[8:] == [str(odd), "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                        "--max-restarts", "0", "--standalone", "--log-dir", "logs/with space $(touch PWNED6)",
+                        "--max-restarts", "0", "--standalone", "--signals-to-handle",
+                        "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--log-dir", "logs/with space $(touch PWNED6)",
                         "--tee", "3", "-m", "some.entry", *NASTY]
     assert (tmp_path / "argv.env").read_text() == NASTY_ENV
     assert (work / "logs" / "with space $(touch PWNED6)").is_dir()

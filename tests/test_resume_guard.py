@@ -16,7 +16,8 @@ from distlab import checkpoint
 from distlab.checkpoint import ResumeMismatch
 from distlab.cli import run_main
 from distlab.config import TrainConfig
-from distlab.metrics import read_log, strict_json
+from distlab.jsonio import strict_json
+from distlab.metrics import read_log
 from distlab.paths import TRAIN_FILE
 from distlab.train import main, train, variant_configs
 

@@ -25,9 +25,14 @@ def test_lora_run_learns_logs_and_saves(tmp_path):
     assert result.eval_loss_after < result.eval_loss_before
     steps = read_log(result.log_path)
     assert [s["step"] for s in steps] == [2, 4, 6, 8]
+    start = read_log(result.log_path, event="start")[0]
     for s in steps:
         assert STEP_FIELDS <= set(s)
-        assert s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0 and 0 < s["mfu"] < 1
+        assert s["tokens_per_s"] > 0 and s["peak_mem_bytes"] > 0
+        # MFU is achieved FLOP/s over the peak. On a CPU the peak is a matmul measured once and cached: measured
+        # while the machine was busier than now, it can sit below what a run achieves, so `mfu < 1` is not a
+        # property of the code; the ratio itself is.
+        assert s["mfu"] == pytest.approx(s["tokens_per_s"] * start["flops_per_token"] / start["peak_flops"], rel=1e-9)
         assert 0 < s["hfu"] < s["mfu"]  # per-document attention executes less than PaLM's count
     events = [r["event"] for r in read_log(result.log_path, event=None)]
     assert events[0] == "start" and events[-1] == "end" and events.count("eval") == 2

@@ -58,6 +58,7 @@ exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 7200 --kill-after-s 60 -- 
   --rdzv-backend static \
   --master-addr 192.168.1.100 \
   --master-port 29500 \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --log-dir logs/run_2node_8gpu \
   --tee 3 \
   -m distlab.train --config lib/distlab/configs/enterprise_7b_lora.yaml --set strategy=ddp --set max_steps=200 --set output_dir=build/runs/enterprise_7b/run_2node_8gpu

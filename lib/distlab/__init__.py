@@ -4,12 +4,13 @@ Read it bottom up, layer by layer: a module imports only from its own layer and 
 (tests/test_structure.py checks it). The chapter that introduces a module is on its right.
 
 1. The core: what a training run is made of (torch-free where it can be: config, paths, provenance,
-   layer_split, cli and yaml_input load no torch)
+   layer_split, cli, jsonio and yaml_input load no torch)
   config       TrainConfig: the run spec every strategy and notebook reads, from YAML; the strategy names ch. 01
   paths        where data, figures and build outputs live
   provenance   device, model, world size, commit, date and inputs digest stamped on every figure and table
   cli          how every command ends on bad input: one line, exit 2
   markdown     Markdown table cells from outside values, escaped (|, newlines, HTML)
+  jsonio       strict JSON text (NaN and infinities as null), how every JSON a program reads is written
   yaml_input   bounded YAML: alias expansion, nesting depth and binary files refused before any check
   data         the JSONL data contract: load, validate, chat template, label mask, packing             ch. 01
   batching     which rows each rank takes at each step (StepBatches), uneven shares (rows_per_rank)    ch. 01, 05
@@ -20,7 +21,10 @@ Read it bottom up, layer by layer: a module imports only from its own layer and 
   prepare      device, tokenizer, data and the loss-computing model (+ LoRA) for a run                 ch. 01
   metrics      FLOPs per token (MFU) and the JSONL step log                                            ch. 01
   checkpoint   atomic checkpoints a killed run resumes from                                            ch. 02
-  faults       deliberate SIGKILLs and slowdowns for the fault-tolerance and uneven-host demos         ch. 02, 05
+  safe_load    loading saved state as tensors and plain data only: a file never runs code              ch. 02
+  preemption   a scheduler's SIGTERM / SIGUSR1: finish the step, save it on every rank, exit 143        ch. 02
+  folder_lock  one run per output folder: a lock naming its holder, taken over from a dead run        ch. 02
+  faults       deliberate SIGKILLs, signals, full disks and slowdowns for the fault-tolerance demos    ch. 02, 05
   generate     fixed-config generation for before/after answers                                        ch. 01
   keyfacts     key-fact accuracy: which of an answer's expected facts it states                         ch. 01
   layer_split  which decoder layers each pipeline stage holds (the pipelines, planner and inference)   ch. 04

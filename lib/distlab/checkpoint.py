@@ -25,6 +25,8 @@ import torch
 
 from distlab import faults
 from distlab.config import TrainConfig
+from distlab.jsonio import strict_json
+from distlab.safe_load import load_tensors
 
 COMPLETE = "COMPLETE"
 FINGERPRINT = "fingerprint.json"
@@ -80,7 +82,7 @@ def fingerprint(cfg: TrainConfig, world_size: int, data_parallel_size: int, pipe
                   micro_batch_size=cfg.micro_batch_size, grad_accum=grad_accum,
                   global_batch_size=cfg.micro_batch_size * grad_accum * data_parallel_size,
                   world_size=world_size, data_parallel_size=data_parallel_size, pipeline_stages=pipeline_stages)
-    return json.loads(json.dumps(values))  # tuples as lists: compared as they will read back
+    return json.loads(strict_json(values))  # tuples as lists: compared as they will read back
 
 
 def _step(path: Path) -> int:
@@ -162,26 +164,107 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (most often: the disk is full). The partial folder is gone, the
+    previous checkpoint is kept, and the message names the folder and the bytes the checkpoint needs."""
+
+
+# Room kept free beyond the checkpoint's own bytes: the step log, the RNG files, and file system overhead.
+SPACE_MARGIN = 1.1
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _local_tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors this rank holds in `obj` (a DTensor counts its local shard: what this rank writes)."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_local_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_local_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def bytes_to_write(output_dir: str | Path, strategy, model, optimizer) -> int:
+    """What this rank's part of the next checkpoint needs on disk: the size of the previous checkpoint when
+    there is one (the main rank; measured, the same state again), else the trained weights and optimizer
+    state this rank writes (all of it on the main rank of a replicated strategy, its shard under a sharded
+    one). Each rank's share is checked where it writes; on a shared file system the first checkpoint's
+    total is not, and a save that runs out of space is cleaned up (`save`)."""
+    previous = latest(output_dir)
+    if previous is not None and strategy.is_main:
+        return folder_bytes(previous)
+    if not (strategy.is_main or strategy.shards_checkpoint):
+        return 0
+    trained = sum(_local_tensor_bytes(p) for p in model.parameters() if p.requires_grad)
+    return trained + _local_tensor_bytes(getattr(optimizer, "state", {}))
+
+
+def _space_problem(root: Path, needed: int) -> str | None:
+    existing = root if root.exists() else root.parent
+    while not existing.exists():  # the output folder may not exist yet on a first save
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free >= needed * SPACE_MARGIN:
+        return None
+    return f"{free} bytes free, the checkpoint needs about {needed}"
+
+
 def save(output_dir: str | Path, step: int, strategy, model, optimizer, scheduler, batches,
          log_path: Path | None, keep: int, run_fingerprint: dict[str, Any]) -> Path:
-    """Every rank calls this; the strategy decides who writes the weights and optimizer."""
+    """Every rank calls this; the strategy decides who writes the weights and optimizer.
+
+    Before writing, every rank checks the free space for its part (`bytes_to_write`); if any rank is
+    short, or any rank's write fails (a full disk shows as OSError, or torch's RuntimeError "unexpected
+    pos"), every rank raises CheckpointWriteError together, after the main rank removed the partial folder:
+    the previous checkpoint stays the newest complete one, and no space is held by half a checkpoint."""
     root = checkpoint_dir(output_dir)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
-    if strategy.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    strategy.barrier()
-    strategy.save_training_state(model, optimizer, tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{strategy.rank}.pt")
-    faults.during_checkpoint(step, strategy.rank)
-    if strategy.is_main:
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "batches": batches.state_dict(),
-                    "world_size": strategy.world_size}, tmp / "trainer.pt")
-        (tmp / FINGERPRINT).write_text(json.dumps(run_fingerprint, indent=1, sort_keys=True) + "\n")
-        if log_path is not None and log_path.exists():
-            shutil.copy2(log_path, tmp / "train_log.jsonl")
-    strategy.barrier()
+    needed = bytes_to_write(output_dir, strategy, model, optimizer)
+    short = _space_problem(root, needed) if needed else None
+    if strategy.any_rank(short is not None):
+        raise CheckpointWriteError(f"{tmp}: not written, "
+                                   + (short or "another rank has too little space for its part")
+                                   + "; the previous checkpoint is kept: free some space (or use an output_dir "
+                                     "on a larger disk) and run again to resume")
+    failure = None
+    try:
+        if strategy.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        strategy.barrier()
+        strategy.save_training_state(model, optimizer, tmp)
+        torch.save(rng_state(), tmp / f"rng_rank{strategy.rank}.pt")
+        faults.during_checkpoint(step, strategy.rank, output_dir)
+        if strategy.is_main:
+            torch.save({"step": step, "scheduler": scheduler.state_dict(), "batches": batches.state_dict(),
+                        "world_size": strategy.world_size}, tmp / "trainer.pt")
+            (tmp / FINGERPRINT).write_text(strict_json(run_fingerprint, indent=1, sort_keys=True) + "\n")
+            if log_path is not None and log_path.exists():
+                shutil.copy2(log_path, tmp / "train_log.jsonl")
+    except BaseException as e:
+        # ENOSPC is an OSError; torch.save reports it as RuntimeError "[enforce fail at inline_container.cc]
+        # unexpected pos"; torch DCP gathers every rank's failure into a CheckpointException (a BaseException)
+        if not (isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "CheckpointException"):
+            raise
+        failure = " ".join(str(e).split())[:200]
+    if strategy.any_rank(failure is not None):
+        free_then = _free_now(root)  # before the partial folder is removed: what the write ran into
+        if strategy.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        strategy.barrier()
+        said = failure or "another rank's part failed"
+        full = (f": the file system was full ({free_then} bytes free)"
+                if isinstance(free_then, int) and free_then < needed else "")
+        raise CheckpointWriteError(f"{tmp}: writing the checkpoint of step {step} failed ({said}){full}; the "
+                                   f"partial folder is removed and the previous checkpoint kept; the checkpoint "
+                                   f"needs about {needed} bytes on this rank: free some space and run again to "
+                                   f"resume")
     if strategy.is_main:
         (tmp / COMPLETE).write_text(f"{step}\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -192,16 +275,25 @@ def save(output_dir: str | Path, step: int, strategy, model, optimizer, schedule
     return final
 
 
+def _free_now(root: Path) -> int | str:
+    try:
+        return shutil.disk_usage(root).free
+    except OSError:
+        return "?"
+
+
 def load(path: Path, strategy, model, optimizer, scheduler, batches) -> tuple[int, Path]:
     """Restore everything `save` wrote; returns (step, the checkpoint's copy of the step log)."""
-    meta = torch.load(path / "trainer.pt", weights_only=False)
+    # tensors and plain data only (the scheduler, batch position and RNG states are): a file that names
+    # anything else is refused before it can run code
+    meta = load_tensors(path / "trainer.pt")
     if meta["world_size"] != strategy.world_size:
         raise ResumeMismatch(f"{path}: written with world size {meta['world_size']}, resuming with "
                              f"{strategy.world_size}; the batch position would not carry over")
     strategy.load_training_state(model, optimizer, path)
     scheduler.load_state_dict(meta["scheduler"])
     batches.load_state_dict(meta["batches"])
-    set_rng_state(torch.load(path / f"rng_rank{strategy.rank}.pt", weights_only=False))
+    set_rng_state(load_tensors(path / f"rng_rank{strategy.rank}.pt"))
     return meta["step"], path / "train_log.jsonl"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from distlab.jsonio import strict_json
 from distlab.paths import CACHE_DIR
 from distlab.provenance import cpuinfo_field, device_description
 
@@ -165,11 +166,11 @@ def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
             table = json.loads(cache.read_text())
         except json.JSONDecodeError:
             table = {}
-    if ident not in table or refresh:
+    if table.get(ident) is None or refresh:  # null: the measurement was not finite (written strict): measure again
         table[ident] = measure_matmul_flops(device, dtype)
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.write_text(strict_json(table, indent=1, sort_keys=True))
         tmp.replace(cache)  # atomic: several ranks may measure at once
     return table[ident], f"measured matmul ({key}, {threads} thread{'s' * (threads != 1)})"
 

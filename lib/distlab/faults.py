@@ -7,7 +7,13 @@ DISTLAB_KILL_IN_CHECKPOINT=N  SIGKILL in the middle of writing the checkpoint of
 DISTLAB_KILL_AFTER_MICRO_BATCHES=N  pipeline inference (distlab.inference): SIGKILL this stage once N
                             micro-batches have finished on it (the last stage has written their
                             completions by then): a stage lost mid-job.
-DISTLAB_KILL_RANK=R         which rank dies (default 1).
+DISTLAB_SIGNAL_AT_STEP=N    send this process SIGTERM (or DISTLAB_SIGNAL=USR1) during optimizer step N: a
+                            scheduler's notice reaching one rank only; the run stops after that step
+                            with its checkpoint (distlab.preemption).
+DISTLAB_FILL_DISK_AT_CHECKPOINT=N  while writing the checkpoint of step N, fill the output folder's file
+                            system (a file `fill-disk.ballast` in the output folder) so that the rest of
+                            the save meets a real ENOSPC: a disk that filled up mid-save.
+DISTLAB_KILL_RANK=R         which rank dies, is signalled, or fills the disk (default 1).
 
 "First attempt" is torchrun's TORCHELASTIC_RESTART_COUNT == 0 and Slurm's SLURM_RESTART_COUNT == 0 (a
 requeued job counts up), so a restarted group or a requeued job runs clean.
@@ -57,11 +63,29 @@ def _die(when: str, rank: int) -> None:
 def after_step(step: int, rank: int) -> None:
     if _armed("DISTLAB_KILL_AT_STEP", step, rank):
         _die(f"after step {step}", rank)
+    if _armed("DISTLAB_SIGNAL_AT_STEP", step, rank):
+        sig = getattr(signal, "SIG" + os.environ.get("DISTLAB_SIGNAL", "TERM").upper().removeprefix("SIG"))
+        print(f"[distlab.faults] rank {rank}: {sig.name} during step {step}", flush=True)
+        os.kill(os.getpid(), sig)
 
 
-def during_checkpoint(step: int, rank: int) -> None:
+def during_checkpoint(step: int, rank: int, output_dir=None) -> None:
     if _armed("DISTLAB_KILL_IN_CHECKPOINT", step, rank):
         _die(f"while writing the checkpoint of step {step}", rank)
+    if output_dir is not None and _armed("DISTLAB_FILL_DISK_AT_CHECKPOINT", step, rank):
+        _fill_disk(os.path.join(output_dir, "fill-disk.ballast"))
+        print(f"[distlab.faults] rank {rank}: filled the disk while writing the checkpoint of step {step}", flush=True)
+
+
+def _fill_disk(path: str) -> None:
+    """Write zeros until the file system says ENOSPC (a tmpfs in the tests: never the real disk)."""
+    with open(path, "wb", buffering=0) as fh:  # unbuffered: nothing left to fail when it closes
+        for size in (1 << 16, 512):  # then the last partial block too, so not even a small file fits
+            try:
+                while fh.write(bytes(size)):
+                    pass
+            except OSError:
+                pass
 
 
 def after_micro_batches(done: int, rank: int) -> None:

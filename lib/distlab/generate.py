@@ -20,8 +20,10 @@ import torch
 
 from distlab import keyfacts
 from distlab.data import Conversation, load_prompts
+from distlab.jsonio import strict_json
 from distlab.models import load_model, load_tokenizer, quantization_config
 from distlab.paths import EVAL_FILE
+from distlab.safe_load import refusal
 
 GENERATION_DEFAULTS = {"max_new_tokens": 96, "temperature": 0.2, "top_p": 0.9, "seed": 42}
 
@@ -166,11 +168,23 @@ def load_adapted(adapter_dir: str | Path, model: str | Path | None = None, quant
     base the adapter is merged in: the same model, and generation skips the adapter's extra matmuls. On a
     quantised base (`quantization` as the run trained it) it stays apart, as in training: merging it into
     4-bit weights would round the learnt update onto the quantisation grid."""
+    base = load_model(model, quantization=quantization_config(quantization, double_quant))
+    tuned = attach_adapter(base, adapter_dir)
+    return tuned if quantization != "none" else tuned.merge_and_unload()
+
+
+def attach_adapter(base, adapter_dir: str | Path):
+    """PeftModel of `base` with the saved adapter. PEFT reads adapter_model.safetensors, or an adapter_model.bin
+    with torch.load(weights_only=True) (peft.utils.save_and_load.torch_load): an adapter holding anything but
+    tensors is refused, in one line naming the folder (distlab.safe_load)."""
+    import pickle  # deferred: only a refused adapter needs its exception type
+
     from peft import PeftModel  # deferred: peft is slow to import
 
-    base = load_model(model, quantization=quantization_config(quantization, double_quant))
-    tuned = PeftModel.from_pretrained(base, str(adapter_dir))
-    return tuned if quantization != "none" else tuned.merge_and_unload()
+    try:
+        return PeftModel.from_pretrained(base, str(adapter_dir))
+    except pickle.UnpicklingError as e:
+        raise refusal(Path(adapter_dir), "adapter folder", e) from None
 
 
 def adapter_keyfact_accuracy(adapter_dir: str | Path, model: str | Path | None = None, **kwargs) -> dict:
@@ -181,7 +195,7 @@ def adapter_keyfact_accuracy(adapter_dir: str | Path, model: str | Path | None =
 def write_jsonl(rows: Sequence[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    path.write_text("".join(strict_json(r, ensure_ascii=False) + "\n" for r in rows))
     return path
 
 

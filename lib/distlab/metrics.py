@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from distlab.jsonio import non_finite_fields, strict_json
+
 
 def train_flops_per_token(config, n_trainable_linear: int, seq_len: float, full_finetune: bool,
                           label_fraction: float = 1.0, recompute: bool = False) -> float:
@@ -53,7 +55,9 @@ def utilisation(tokens_per_s: float, flops_per_token: float, peak_flops: float, 
 class StepLog:
     """Rank 0 writes `train_log.jsonl`; other ranks write `train_log.rank{r}.jsonl` when asked.
 
-    Each line is one JSON object with an "event": start, step, eval or end."""
+    Each line is one JSON object with an "event": start, step, eval or end. A non-finite number (a
+    diverged loss, an infinite gradient norm) is written as null, and the record's "non_finite" lists
+    those fields: null alone means "not measured" (comm_time_s without measure_comm), not "diverged"."""
 
     def __init__(self, output_dir: str | Path, rank: int = 0, all_ranks: bool = False):
         self.rank = rank
@@ -73,29 +77,18 @@ class StepLog:
         if self.path is None:
             return
         record = {"event": event, "time": round(time.time(), 3), "rank": self.rank, **fields}
+        non_finite = non_finite_fields(fields)
+        if non_finite:
+            record["non_finite"] = non_finite
         with open(self.path, "a") as fh:
             fh.write(strict_json(record) + "\n")  # a diverged run's NaN loss is null, not bare NaN
 
 
-def strict_json(obj: Any, **kwargs: Any) -> str:
-    """JSON text that every parser reads. Python's json writes NaN and Infinity bare, which JSON does not
-    have (a strict reader, jq, a browser reject the whole file); here they become null, and anything else
-    json cannot write becomes its str()."""
-    return json.dumps(_finite(obj), allow_nan=False, default=str, **kwargs)
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def read_log(path: str | Path, event: str | None = "step") -> list[dict[str, Any]]:
-    """Parse a step log; a bad line is an error naming the file and line, never skipped."""
+    """Parse a step log; a bad line is an error naming the file and line, never skipped.
+
+    A field the record lists in "non_finite" reads back as NaN (NaN or an infinity when written: either
+    way the step diverged), so that sums, means and plots carry it on as NaN instead of failing on None."""
     path = Path(path)
     out = []
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
@@ -106,5 +99,18 @@ def read_log(path: str | Path, event: str | None = "step") -> list[dict[str, Any
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON in step log: {e.msg}") from e
         if event is None or rec.get("event") == event:
-            out.append(rec)
+            out.append(_restore_non_finite(rec, f"{path}:{lineno}"))
     return out
+
+
+def _restore_non_finite(rec: dict[str, Any], where: str) -> dict[str, Any]:
+    marked = rec.get("non_finite", [])
+    if not (isinstance(marked, list) and all(isinstance(name, str) for name in marked)):
+        raise ValueError(f"{where}: non_finite is {marked!r}, not a list of field names")
+    for name in marked:
+        if name not in rec:  # StepLog marks only fields it wrote, as null: anything else is a damaged line
+            raise ValueError(f"{where}: non_finite names {name!r}, which the record does not have")
+        if rec[name] is not None:
+            raise ValueError(f"{where}: field {name!r} is marked non_finite but holds {rec[name]!r}")
+        rec[name] = math.nan
+    return rec

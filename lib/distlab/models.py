@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -31,7 +32,9 @@ import torch
 
 from distlab.attention import resolve
 from distlab.data import IGNORE_INDEX, build_sft_data, load_jsonl
+from distlab.jsonio import strict_json
 from distlab.paths import DATA_DIR, MODEL_CACHE
+from distlab.safe_load import refusal
 
 DEFAULT_MODEL = "distlab-tiny"  # the pretrained tiny Qwen2 base
 PRETRAIN_FILE = DATA_DIR / "pretrain" / "corpus.jsonl"
@@ -148,7 +151,7 @@ def build_tokenizer(out_dir: str | Path | None = None, corpus_file: str | Path =
         shutil.rmtree(tmp, ignore_errors=True)
         tokenizer = train_tokenizer(_corpus(Path(corpus_file)))
         tokenizer.save_pretrained(tmp)
-        (tmp / "distlab_build.json").write_text(json.dumps(
+        (tmp / "distlab_build.json").write_text(strict_json(
             {"hash": digest, "recipe": BUILD_RECIPE_VERSION, "corpus": str(corpus_file),
              "vocab_size": len(tokenizer)}, indent=2))
         return _replace(tmp, out_dir)
@@ -237,7 +240,7 @@ def build_default_model(out_dir: str | Path | None = None, corpus_file: str | Pa
             # seen when a DeepSpeed ZeRO-3 process (HfDeepSpeedConfig alive) built it: weights partitioned
             raise RuntimeError(f"building {out_dir}: save_pretrained wrote no weights; build it in a plain process "
                                "first: python -c 'from distlab.models import build_default_model as b; b()'")
-        (tmp / "distlab_build.json").write_text(json.dumps(
+        (tmp / "distlab_build.json").write_text(strict_json(
             {"hash": digest, "recipe": BUILD_RECIPE_VERSION, "corpus": str(corpus_file), "pretrain": recipe,
              "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer),
              "final_loss": sum(losses[-20:]) / len(losses[-20:]),
@@ -315,8 +318,15 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     if quantization is not None:
         # bitsandbytes' int8 matmul logs, on every call, that it casts fp32 inputs to fp16: known, and noise
         logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
-                                                  **({"quantization_config": quantization} if quantization else {}))
+    # Loading runs no code from the folder: transformers reads model.safetensors, or a pytorch_model.bin with
+    # torch.load(weights_only=True) (modeling_utils.load_state_dict), and with trust_remote_code=False never
+    # imports a modeling_*.py the folder carries. A .bin that names anything else is refused here in one line.
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=False,
+            **({"quantization_config": quantization} if quantization else {}))
+    except pickle.UnpicklingError as e:
+        raise refusal(folder, "model folder", e) from None
     for module in loaded.modules():
         # bitsandbytes 0.50's CPU inference path (a no-grad forward on an AVX512-BF16 CPU) repacks a 4-bit weight
         # in place on first use, and asserts out_features % 32 == 0: the tiny model's 688-wide FFN fails it, and
@@ -345,7 +355,7 @@ def random_preset_folder(name: str, seed: int = 0) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "distlab_build.json").write_text(json.dumps(spec))
+        (tmp / "distlab_build.json").write_text(strict_json(spec))
         return _replace(tmp, folder)
 
 
@@ -375,7 +385,7 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "distlab_build.json").write_text(json.dumps(spec))
+    (tmp / "distlab_build.json").write_text(strict_json(spec))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return str(folder)

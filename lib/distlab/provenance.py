@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import platform
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from distlab import markdown
+from distlab.jsonio import strict_json
 from distlab.paths import REPO_ROOT
 
 # The packages whose versions a run records. Read from package metadata only: importing deepspeed
@@ -159,5 +159,5 @@ def save_table(df, path: str | Path, provenance: dict[str, Any]) -> Path:
 
 def write_sidecar(path: Path, provenance: dict[str, Any]) -> Path:
     side = path.with_name(path.name + ".provenance.json")
-    side.write_text(json.dumps(provenance, indent=2, sort_keys=True, default=str) + "\n")
+    side.write_text(strict_json(provenance, indent=2, sort_keys=True) + "\n")
     return side

@@ -11,8 +11,10 @@ is what lets later chapters assert that 1 and 2 ranks produce the same loss curv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,9 +31,11 @@ from distlab.batching import StepBatches
 from distlab.cli import run_main
 from distlab.config import TrainConfig, load_config, parse_override
 from distlab.device import peak_flops, peak_memory_bytes, reset_peak_memory, synchronize
+from distlab.folder_lock import FolderInUse, FolderLock
 from distlab.measure.meter import Meter
 from distlab.metrics import StepLog, mean_attention_span, strict_json, train_flops_per_token, utilisation
 from distlab.models import count_parameters
+from distlab.preemption import PREEMPTED_EXIT, Preempted, StopRequest, requeue_under_slurm
 from distlab.prepare import prepare_run
 from distlab.results.recorder import emit_rank_result
 from distlab.strategies import make_strategy
@@ -56,12 +60,39 @@ def train(cfg: TrainConfig, strategy: Strategy | None = None, keep_group: bool =
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     strategy.meter = Meter.for_config(cfg)  # measurement attaches through the strategy's hooks, if asked for
+    # The stop handlers go in first: a scheduler's SIGTERM during the rendezvous or the model load ends the
+    # run before its first step, instead of killing it at an arbitrary point.
+    with StopRequest() as stop:
+        try:
+            strategy.setup(cfg)
+            with _own_output_dir(cfg, strategy):
+                return _train(cfg, strategy, stop)
+        finally:
+            strategy.meter.close()
+            strategy.teardown(keep_group)
+
+
+@contextlib.contextmanager
+def _own_output_dir(cfg: TrainConfig, strategy: Strategy):
+    """The run's output folder is locked by the main rank for the whole run (distlab.folder_lock): a second
+    run into it is refused on every rank, before anything is read or written there."""
+    lock = FolderLock(cfg.output_dir, "training run") if strategy.is_main else None
+    refused: Exception | None = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except (FolderInUse, OSError) as e:
+            refused = e
+    if strategy.any_rank(refused is not None):  # the other ranks learn it here instead of hanging in a collective
+        raise refused or FolderInUse(f"{cfg.output_dir}: in use by another training run (the main rank's lock "
+                                     f"was refused)")
+    if lock is not None and lock.took_over:
+        print(f"[distlab] {lock.describe_takeover()}", flush=True)
     try:
-        strategy.setup(cfg)
-        return _train(cfg, strategy)
+        yield
     finally:
-        strategy.meter.close()
-        strategy.teardown(keep_group)
+        if lock is not None:
+            lock.release()
 
 
 def run_flops_per_token(cfg: TrainConfig, model_config, n_trainable: int, train_data) -> tuple[float, float]:
@@ -101,7 +132,7 @@ def _resume(path: Path | None, strategy, model, optimizer, scheduler, batches, l
     return step
 
 
-def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
+def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResult:
     out = Path(cfg.output_dir)
     accum = cfg.micro_steps(strategy.data_parallel_size)
     # Which run a checkpoint belongs to is settled before anything is built or written: a refused resume
@@ -168,6 +199,9 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
         eval_before = strategy.evaluate(model, eval_data, choice)
         log.write("eval", step=0, eval_loss=eval_before)
 
+    signum = strategy.world_max(stop.signum or 0)  # signalled while loading: nothing trained, nothing new to save
+    if signum:
+        raise Preempted(signum, None, None)
     bar = tqdm(total=cfg.max_steps, initial=first_step - 1, desc="train", mininterval=10.0, file=sys.stdout,
                disable=not (strategy.is_main and cfg.progress))
     model.train()
@@ -203,9 +237,25 @@ def _train(cfg: TrainConfig, strategy: Strategy) -> TrainResult:
             log.write("step", **record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
             window.clear()
-        if cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 and step < cfg.max_steps:
-            checkpoint.save(out, step, strategy, model, optimizer, scheduler, batches, log.path, cfg.keep_checkpoints,
-                            run_fingerprint)
+        # Every rank finished this step; did a scheduler signal any of them? They stop together, at this step,
+        # and agree on which signal it was (the larger number, SIGTERM over SIGUSR1: the more urgent one).
+        signum = strategy.world_max(stop.signum or 0)
+        stopping = signum > 0 and step < cfg.max_steps  # the last step ends the run anyway
+        if stopping or (cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 and step < cfg.max_steps):
+            t_save = time.perf_counter()
+            saved = checkpoint.save(out, step, strategy, model, optimizer, scheduler, batches, log.path,
+                                    cfg.keep_checkpoints, run_fingerprint)
+            # what a scheduler's grace period must leave time for (distlab.launch sizes it from this)
+            log.write("checkpoint", step=step, save_s=time.perf_counter() - t_save,
+                      bytes=checkpoint.folder_bytes(saved) if strategy.is_main else None,
+                      **({"stopped_on": signal.Signals(signum).name} if stopping else {}))
+            if stopping:
+                bar.close()
+                if strategy.is_main:  # after the save: the requeue ends this attempt, and loses nothing now
+                    said = requeue_under_slurm(signum)
+                    if said:
+                        print(said, flush=True)
+                raise Preempted(signum, step, saved)
     bar.close()
 
     eval_after = strategy.evaluate(model, eval_data, choice) if (eval_data and cfg.eval_at_end) else None
@@ -260,9 +310,15 @@ def main(argv: list[str] | None = None) -> int:
                              "launch (interpreter start, imports, rendezvous) per run.")
     args = parser.parse_args(argv)
     cfgs = variant_configs(args.config, dict(parse_override(s) for s in args.set), args.variant)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
     for i, cfg in enumerate(cfgs):
-        result = train(cfg, keep_group=i < len(cfgs) - 1)
-        if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            result = train(cfg, keep_group=i < len(cfgs) - 1)
+        except Preempted as stopped:
+            if main_rank:
+                print(f"[distlab] {cfg.output_dir}: {stopped}", flush=True)
+            return PREEMPTED_EXIT
+        if main_rank:
             print(strict_json({"output_dir": str(result.output_dir), **result.summary}), flush=True)
     return 0
 

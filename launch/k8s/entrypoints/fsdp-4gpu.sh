@@ -5,7 +5,7 @@
 # `python -m distlab.train --config lib/distlab/configs/tiny_lora.yaml --set strategy=fsdp --set model=qwen2.5-0.5b-random --set device=cuda --set dtype=bf16-autocast --set seq_len=1024 --set micro_batch_size=4 --set global_batch_size=64 --set lr=1.0e-3 --set max_steps=50 --set progress=false --set output_dir=build/runs/k8s/fsdp-4gpu`
 # under torchrun. Pod i is node i: its node rank is JOB_COMPLETION_INDEX, which Kubernetes sets in
 # every pod of an Indexed Job. Node 0 is the master, fsdp-4gpu-0.bench (headless Service bench).
-# Waits at most 300 s for that name, then: hard limit 3600 s, then SIGTERM; SIGKILL 60 s later.
+# Waits at most 300 s for that name, then: hard limit 3600 s, then SIGTERM; SIGKILL 150 s later.
 # Exit status 124: limit hit. Each rank prints its result between DISTLAB_RESULT markers into the pod's log.
 # Network preset: cloud-no-rdma (lib/distlab/launch/network_presets.yaml).
 #
@@ -67,13 +67,15 @@ export NCCL_NSOCKS_PERTHREAD=4
 export NCCL_DEBUG=WARN
 # TOKENIZERS_PARALLELISM: the tokenizers' own thread pool competes with the ranks for cores
 export TOKENIZERS_PARALLELISM=false
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long torchrun lets the ranks finish the step and save a checkpoint after an eviction's SIGTERM: sized for an unmeasured 60 s stop budget (measure one: python -m distlab.preemption <run folder>)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=135
 
 mkdir -p -- logs/k8s/fsdp-4gpu
 say "node $node_rank of $nnodes, master $MASTER_ADDR:$MASTER_PORT, 1 process here"
 
-# timeout: SIGTERM after 3600 s, which torchrun forwards to its ranks; SIGKILL 60 s later (the
+# timeout: SIGTERM after 3600 s, which torchrun forwards to its ranks; SIGKILL 150 s later (the
 # pod's terminationGracePeriodSeconds is as long). exec: torchrun's exit status is the pod's.
-exec timeout --foreground --kill-after=60s 3600s \
+exec timeout --foreground --kill-after=150s 3600s \
   "$PYTHON" -m torch.distributed.run \
   --nnodes 4 \
   --nproc-per-node 1 \
@@ -82,6 +84,7 @@ exec timeout --foreground --kill-after=60s 3600s \
   --rdzv-backend static \
   --master-addr "$MASTER_ADDR" \
   --master-port "$MASTER_PORT" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --log-dir logs/k8s/fsdp-4gpu \
   --tee 3 \
   -m distlab.train --config lib/distlab/configs/tiny_lora.yaml --set strategy=fsdp --set model=qwen2.5-0.5b-random --set device=cuda --set dtype=bf16-autocast --set seq_len=1024 --set micro_batch_size=4 --set global_batch_size=64 --set lr=1.0e-3 --set max_steps=50 --set progress=false --set output_dir=build/runs/k8s/fsdp-4gpu

@@ -33,6 +33,7 @@ from distlab.batching import (
 )
 from distlab.cli import finite_float, run_main
 from distlab.config import load_config
+from distlab.jsonio import strict_json
 from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.lan.cgroups import supported as cgroups_supported
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
                 results[label]["speedups"] = speedups(results[label], alone)
         print(report(results[label]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    args.out.write_text(strict_json(results, indent=1))
     for label, r in results.items():
         print(f"{label} hosts: {against_theory(r)}")
         if "speedups" in r:

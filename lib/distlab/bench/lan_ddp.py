@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from distlab.cli import run_main
+from distlab.jsonio import strict_json
 from distlab.lan import host_runs
 from distlab.lan.hosts import link_bits, link_bytes_per_s, rate_bits
 from distlab.metrics import read_log
@@ -257,7 +258,7 @@ def main(argv=None) -> int:
                                                  hooks=hooks)
     print(report(sweep, hook_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"link_sweep": sweep, "compression": hook_rows}, indent=1))
+    args.out.write_text(strict_json({"link_sweep": sweep, "compression": hook_rows}, indent=1))
     return 0
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from distlab.cli import finite_float, run_main
+from distlab.jsonio import strict_json
 from distlab.lan import host_runs
 from distlab.lan.hosts import LOOPBACK, link_bytes_per_s, rate_bits
 from distlab.paths import BUILD_DIR
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         share = "unshaped" if r["rate"] == LOOPBACK else f"{100 * r['fraction_of_link']:.1f}%"
         print(f"{r['rate']:>8} {r['size_bytes']:>10} {r['busbw_bytes_per_s'] / 1e6:>12.1f} {share:>10}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1))
+    args.out.write_text(strict_json(rows, indent=1))
     return 0
 
 

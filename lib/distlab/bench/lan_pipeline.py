@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from distlab.cli import finite_float, run_main
+from distlab.jsonio import strict_json
 from distlab.lan import host_runs
 from distlab.lan.cgroups import HostLimits
 from distlab.paths import BUILD_DIR, RUNS_DIR
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
                     cpu_mode=args.cpu_mode)
     print(report(r), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({k: v for k, v in r.items() if k != "limits"}, indent=1))
+    args.out.write_text(strict_json({k: v for k, v in r.items() if k != "limits"}, indent=1))
     return 0
 
 

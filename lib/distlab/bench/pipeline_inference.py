@@ -18,6 +18,7 @@ from pathlib import Path
 from distlab.cli import run_main
 from distlab.inference.outputs import run_here
 from distlab.inference.stage_weights import random_checkpoint
+from distlab.jsonio import strict_json
 from distlab.paths import BUILD_DIR
 
 MODES = {"1 stage": (1, None), "2 stages, in flight": (2, None), "2 stages, one at a time": (2, 1)}
@@ -55,7 +56,7 @@ def bench(widths=(256, 512, 1024), layers: int = 8, prompts: int = 8, batch_size
                 echo(f"width {width:5d}  {mode:24s} {s['tokens_per_s']:8.1f} tokens/s  "
                      f"x{s['tokens_per_s'] / base:.2f} vs 1 stage")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "results.json").write_text(strict_json(rows, indent=1))
     return rows
 
 

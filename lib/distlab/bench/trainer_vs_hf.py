@@ -30,6 +30,7 @@ from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conversations
 from distlab.device import autocast, choose_device, native_bf16
+from distlab.jsonio import strict_json
 from distlab.launch.process import python_module_cmd, run
 from distlab.metrics import read_log
 from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)  # a worker's JSON result file
     args = parser.parse_args(argv)
     if args.worker:
-        Path(args.result).write_text(json.dumps(WORKERS[args.worker](args)))
+        Path(args.result).write_text(strict_json(WORKERS[args.worker](args)))
         return 0
     df = compare(args.steps, args.warmup, args.rounds, args.micro_batch_size, args.seq_len, args.frameworks,
                  device=args.device, model=args.model)

@@ -28,7 +28,8 @@ from distlab import keyfacts, markdown
 from distlab.cli import UsageError, finite_float, run_main
 from distlab.config import check_field, is_hub_id
 from distlab.data import DataError, load_prompts
-from distlab.generate import GENERATION_DEFAULTS, generate, side_by_side
+from distlab.generate import GENERATION_DEFAULTS, attach_adapter, generate, side_by_side
+from distlab.jsonio import strict_json
 from distlab.paths import BUILD_DIR
 
 SEED_GENERATION = {**GENERATION_DEFAULTS, "max_new_tokens": 220}  # seed 000: 0.2 / 0.9 / 42 / 220
@@ -54,12 +55,6 @@ def load_base(model: str | None):
     return load_model(model, attn_implementation="sdpa"), load_tokenizer(model)
 
 
-def with_adapter(model, adapter: Path):
-    from peft import PeftModel  # deferred: peft loads transformers
-
-    return PeftModel.from_pretrained(model, str(adapter))
-
-
 def read_prompts(prompts_file: Path):
     """The prompts and their rows, every row's `facts` checked (file:line named) before anything is generated."""
     prompts = load_prompts(prompts_file)
@@ -81,14 +76,14 @@ def run(prompts_file: Path, adapter: Path | None, model: str | None, out: Path, 
                else None, "generation": {**sampling, "greedy": greedy}, "before": keyfacts.score_rows(
                    rows, {r["id"]: r["response"] for r in before})}
     if adapter is not None:
-        after = generate(with_adapter(base, adapter), tokenizer, prompts, greedy=greedy,
+        after = generate(attach_adapter(base, adapter), tokenizer, prompts, greedy=greedy,
                          out_path=out / "after.jsonl", label="after", **sampling)
         table = side_by_side(before, after)
         summary["after"] = keyfacts.score_rows(rows, {r["id"]: r["response"] for r in after})
         summary["changed"] = int((table["before"] != table["after"]).sum())
         summary["answers"] = len(table)
         (out / "before_after.md").write_text(_markdown(table, summary))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(strict_json(summary, indent=2))
     return summary
 
 
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[infer] key-fact accuracy {label}: {score['accuracy']:.1%} ({score['found']}/{score['asked']})")
     if adapter is not None:
         print(f"[infer] {summary['changed']} of {summary['answers']} answers changed; table: {out / 'before_after.md'}")
-    print(json.dumps({"wrote": sorted(str(p) for p in out.iterdir())}))
+    print(strict_json({"wrote": sorted(str(p) for p in out.iterdir())}))
     return 0
 
 

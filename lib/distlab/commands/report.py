@@ -13,11 +13,11 @@ truncated or doubled marker is an error naming the log and line (distlab.results
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from distlab import markdown
 from distlab.cli import UsageError, run_main
+from distlab.jsonio import strict_json
 from distlab.paths import BUILD_DIR
 from distlab.provenance import stamp
 from distlab.results import benchmark_report, extract
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
              benchmark_report.write_report(df, args.out, provenance, title=args.title)]
     print(markdown.table(df[["run", "strategy", "mode", "world_size", "tokens_per_s", "step_time_s",
                              "scaling_efficiency", "peak_mem_bytes", "final_loss"]]))
-    print(json.dumps({"wrote": [str(p) for p in paths]}))
+    print(strict_json({"wrote": [str(p) for p in paths]}))
     return 0
 
 

@@ -12,13 +12,13 @@ the slowest rank's step time, speedup and efficiency against the 1-rank run.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
 
 from distlab import markdown
 from distlab.cli import UsageError, run_main
+from distlab.jsonio import strict_json
 from distlab.metrics import read_log
 from distlab.paths import BUILD_DIR
 from distlab.provenance import stamp
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = df.assign(run=[Path(r).name if Path(r).is_dir() else r for r in df["run"]])
     print(markdown.table(shown[["run", "world_size", "steps_averaged", "step_time_s", "tokens_per_s", "speedup",
                  "scaling_efficiency", "peak_mem_bytes"]]))
-    print(json.dumps({"wrote": [str(p) for p in paths]}))
+    print(strict_json({"wrote": [str(p) for p in paths]}))
     return 0
 
 

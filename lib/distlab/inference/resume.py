@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distlab.jsonio import strict_json
+
 COMPLETIONS = "completions.jsonl"
 SETTINGS = "run_settings.json"
 
@@ -90,7 +92,7 @@ def append_rows(path: str | Path, rows: list[dict]) -> None:
     if not rows:
         return
     path = Path(path)
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    data = "".join(strict_json(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
     new = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -116,7 +118,7 @@ def write_settings(out_dir: str | Path, settings: dict) -> None:
     """run_settings.json, written to a temporary file and renamed into place (never half written)."""
     path = Path(out_dir) / SETTINGS
     tmp = path.with_name(f".{SETTINGS}.tmp")
-    tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+    tmp.write_text(strict_json(settings, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 

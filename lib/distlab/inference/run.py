@@ -42,6 +42,7 @@ from distlab.inference.batches import micro_batches, read_prompts
 from distlab.inference.engine import Pipeline, Sampling
 from distlab.inference.stage import InferenceStage
 from distlab.inference.stage_weights import checkpoint_bytes
+from distlab.jsonio import strict_json
 from distlab.layer_split import split_layers
 from distlab.models import resolve_model
 from distlab.paths import DEMO_PROMPTS
@@ -246,7 +247,7 @@ def run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, out_di
     pipe.run(todo, args.in_flight, on_done=on_done)
     wall = time.perf_counter() - start
     memory["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (out_dir / f"stage{rank}.json").write_text(json.dumps(
+    (out_dir / f"stage{rank}.json").write_text(strict_json(
         {"rank": rank, "world": world, "layers": list(ranges[rank]), "first": rank == 0, "last": rank == world - 1,
          "memory": memory, "wall_s": wall, "events": pipe.events}, indent=1))
     if rank != world - 1:
@@ -265,7 +266,7 @@ def run_batch_size(args, stage, tokenizer, prompts, batch_size, sampling, out_di
                "new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": new_tokens / wall if wall > 0 else 0.0,
                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT") or 0)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "summary.json").write_text(strict_json(summary, indent=1))
     log.info("done: %d new tokens in %.2f s = %.1f tokens/s; %d prompts answered now, %d before", new_tokens, wall,
              summary["tokens_per_s"], len(new_rows), len(done))
 

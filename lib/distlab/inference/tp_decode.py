@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from distlab.cli import run_main
 from distlab.generate import write_jsonl
 from distlab.inference.batches import micro_batches, read_prompts
 from distlab.inference.run import repeat_prompts
+from distlab.jsonio import strict_json
 from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
 from distlab.paths import DEMO_PROMPTS
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
             write_jsonl(rows, out / "completions.jsonl")
             new = sum(r["new_tokens"] for r in rows)
             latencies = [r["per_token_s"] for r in rows if r["per_token_s"] is not None]
-            (out / "summary.json").write_text(json.dumps({
+            (out / "summary.json").write_text(strict_json({
                 "ranks": world, "batch_size": batch_size, "prompts": len(prompts), "new_tokens": new, "wall_s": wall,
                 "tokens_per_s": new / wall, "ttft_s": sum(r["ttft_s"] for r in rows) / len(rows),
                 "per_token_s": sum(latencies) / len(latencies) if latencies else None}, indent=1))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from distlab.cli import run_main
+from distlab.jsonio import strict_json
 from distlab.lan import hosts
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         cluster.up()
     for row in cluster.status():
-        print(json.dumps(row))
+        print(strict_json(row))
     return 0
 
 

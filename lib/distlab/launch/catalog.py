@@ -30,6 +30,7 @@ from distlab.launch.shell import quote
 from distlab.launch.spec import LaunchSpec
 from distlab.launch.torchrun import plural, render_files
 from distlab.paths import LAUNCH_DIR, REPO_ROOT
+from distlab.preemption import EXIT_S, UNMEASURED_STOP_S, grace_seconds
 
 ENTERPRISE_CONFIG = "lib/distlab/configs/enterprise_7b_lora.yaml"
 LAN_MASTER = "192.168.1.100"  # the LAN-cluster guide's master node; workers at .101, .102
@@ -148,6 +149,7 @@ class KubeRun:
     global_batch_size: int
     purpose: str
     timeout_s: int
+    stop_s: float | None = None  # a stop's measured cost (python -m distlab.preemption <run folder>); None: budget
 
 
 KUBE_MATRIX: tuple[KubeRun, ...] = (
@@ -162,12 +164,20 @@ def kube_job(row: KubeRun):
             "seq_len": 1024, "micro_batch_size": 4, "global_batch_size": row.global_batch_size, "lr": "1.0e-3",
             "max_steps": row.max_steps, "progress": "false", "output_dir": f"build/runs/k8s/{row.name}"}
     args = ["--config", K8S_CONFIG] + [w for k, v in sets.items() for w in ("--set", f"{k}={v}")]
+    # An eviction's SIGTERM reaches torchrun, which forwards it and waits its shutdown timeout for the ranks to
+    # finish the step and save (distlab.preemption); the pod's grace (kill_after_s) outlasts that wait.
+    grace = grace_seconds(row.stop_s)
+    basis = f"a stop measured at {row.stop_s:g} s" if row.stop_s is not None else (
+        f"an unmeasured {UNMEASURED_STOP_S:g} s stop budget (measure one: python -m distlab.preemption <run folder>)")
     spec = kube_spec(row.name, module="distlab.train", args=args, nproc_per_node=1, nnodes=row.pods,
                      strategy=row.strategy, micro_batch_size=4, global_batch_size=row.global_batch_size,
-                     env={"NCCL_DEBUG": "WARN", "TOKENIZERS_PARALLELISM": "false"}, network=K8S_NETWORK,
+                     env={"NCCL_DEBUG": "WARN", "TOKENIZERS_PARALLELISM": "false",
+                          "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace)}, network=K8S_NETWORK,
                      log_dir=f"logs/k8s/{row.name}",
-                     env_notes={"NCCL_DEBUG": "NCCL's log level: WARN puts only warnings and errors in the pod's log"},
-                     timeout_s=row.timeout_s, repo_root="../../..",
+                     env_notes={"NCCL_DEBUG": "NCCL's log level: WARN puts only warnings and errors in the pod's log",
+                                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": f"how long torchrun lets the ranks finish the step "
+                                f"and save a checkpoint after an eviction's SIGTERM: sized for {basis}"},
+                     timeout_s=row.timeout_s, repo_root="../../..", kill_after_s=grace + EXIT_S,
                      description=f"{row.strategy} on {plural(row.pods, 'pod')} x 1 GPU, {row.max_steps} steps: "
                                  f"{row.purpose} (Kubernetes)")
     return KubeJob(row.name, spec, image=K8S_IMAGE, gpus_per_pod=1, cpu="4", memory="32Gi")

@@ -51,6 +51,7 @@ from distlab.launch.shell import (
     show,
 )
 from distlab.launch.spec import LaunchSpecError, check_tp_size, setting_in_args, strategy_in_args
+from distlab.preemption import UNMEASURED_STOP_S, grace_seconds
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 RUNTIMES = ("apptainer", "singularity")
@@ -98,6 +99,7 @@ class SlurmSpec:
     description: str = ""
     resumable: bool = False              # requeue-safe: a stable out folder, --resume, logs appended
     tp_size: int | None = None           # distlab.train with --set strategy=tp|fsdp_tp: ranks per TP group
+    stop_s: float | None = None          # distlab.train: a stop's measured cost (preemption.measured_stop_s)
 
     def __post_init__(self):
         self.validate()
@@ -138,6 +140,9 @@ class SlurmSpec:
         check_text(SlurmSpecError, "description", self.description, allow_empty=True)
         if not isinstance(self.resumable, bool):
             raise SlurmSpecError("resumable", f"{show(self.resumable)}: True or False")
+        if self.stop_s is not None and (isinstance(self.stop_s, bool) or not isinstance(self.stop_s, (int, float))
+                                        or not 0 < self.stop_s < 86400):
+            raise SlurmSpecError("stop_s", f"{show(self.stop_s)}: None or the seconds a stop takes (> 0)")
         self._validate_tp_size()
         c = self.container
         if c is not None:
@@ -192,6 +197,7 @@ def render_sbatch(spec: SlurmSpec) -> str:
              f"#SBATCH --time={spec.time}",
              f"#SBATCH --output={spec.log_dir}/%x-%j.out",
              *(["#SBATCH --requeue", "#SBATCH --open-mode=append"] if spec.resumable else []),
+             *_signal_lines(spec),
              f"# {GENERATED_MARK} from a SlurmSpec (lib/distlab/launch/sbatch.py): do not edit by hand.",
              *([f"# {spec.description}"] if spec.description else []),
              (f"# {spec.ntasks} tasks on {spec.nodes} node(s)" if spec.ntasks else
@@ -236,6 +242,20 @@ def render_sbatch(spec: SlurmSpec) -> str:
                   f"  --pwd {APP_DIR} \\",
                   f"  {quote(c.image)} bash {quote(APP_DIR + '/' + run_sh)}"]
     return "\n".join(lines) + "\n"
+
+
+def _signal_lines(spec: SlurmSpec) -> list[str]:
+    """A training job's warning before its time limit: SIGUSR1 to every task (no `B:`: the tasks, not the batch
+    shell), early enough for the step in progress and its checkpoint; distlab.train then saves, and a
+    resumable job asks to be requeued (distlab.preemption)."""
+    if spec.module != TRAIN_MODULE:
+        return []
+    lead = grace_seconds(spec.stop_s)
+    basis = (f"a stop measured at {spec.stop_s:g} s" if spec.stop_s is not None else
+             f"an unmeasured {UNMEASURED_STOP_S:g} s stop budget: measure a run with python -m distlab.preemption")
+    return [f"#SBATCH --signal=USR1@{lead}",
+            f"# --signal: SIGUSR1 {lead} s before the time limit ({basis}); each rank finishes its step, they save "
+            "one checkpoint together" + (" and the job requeues itself to resume from it" if spec.resumable else "")]
 
 
 def render_run(spec: SlurmSpec) -> str:

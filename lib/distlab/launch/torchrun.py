@@ -72,10 +72,13 @@ HOST_MISMATCH_EXIT = 3  # a node script started on a host other than its node ra
 
 # ---------------------------------------------------------------------- torchrun's flags
 
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 def torchrun_flags(nproc_per_node: int, nnodes: int = 1, *, rendezvous: str = "standalone", node_rank: int = 0,
                    master_addr: str | None = None, master_port: int | None = None,
                    rdzv_endpoint: str | None = None, rdzv_id: str = "distlab", max_restarts: int | None = None,
-                   log_dir: str | None = None, tee: bool = True) -> list[list[str]]:
+                   log_dir: str | None = None, tee: bool = True, forward_usr1: bool = True) -> list[list[str]]:
     """torchrun's flags, one option and its value per group (a script writes a group per line).
 
     How the nodes meet: `standalone` (one node, a local store on a free port), `static` (node
@@ -83,7 +86,8 @@ def torchrun_flags(nproc_per_node: int, nnodes: int = 1, *, rendezvous: str = "s
     rdzv_endpoint under rdzv_id and are numbered as they join: torchrun ignores --node-rank there,
     so it is left out). `max_restarts` and `log_dir` are left out when None (torchrun's defaults: no
     restart, output on the console only). `tee`: `--tee 3` shows every rank's stdout and stderr on
-    the console prefixed [defaultN]:, which is how process.run tells which rank failed."""
+    the console prefixed [defaultN]:, which is how process.run tells which rank failed. `forward_usr1`:
+    torchrun passes SIGUSR1 on to the ranks as well as its default four (distlab.preemption)."""
     flags = [["--nnodes", str(nnodes)], ["--nproc-per-node", str(nproc_per_node)]]
     if max_restarts is not None:
         flags.append(["--max-restarts", str(max_restarts)])
@@ -100,6 +104,10 @@ def torchrun_flags(nproc_per_node: int, nnodes: int = 1, *, rendezvous: str = "s
         flags += [["--rdzv-backend", "c10d"], ["--rdzv-endpoint", rdzv_endpoint], ["--rdzv-id", rdzv_id]]
     else:
         raise ValueError(f"unknown rendezvous {rendezvous!r}; one of standalone, static, c10d")
+    # torchrun forwards these to its ranks (the first four are its default); SIGUSR1 is what Slurm's --signal
+    # sends ahead of a time limit, and distlab.train checkpoints on it (distlab.preemption) instead of dying.
+    if forward_usr1:  # a one-shot check (the fingerprint) has nothing to save: torchrun's defaults do
+        flags.append(["--signals-to-handle", FORWARDED_SIGNALS])
     if log_dir is not None:
         flags.append(["--log-dir", log_dir])
     if tee:
@@ -250,7 +258,7 @@ def _fingerprint_command(spec: LaunchSpec, node_rank: int) -> str:
     """The same rendezvous, one rank per node, running the software fingerprint instead."""
     rendezvous = {**_rendezvous_of(spec), "node_rank": node_rank, "rdzv_id": "distlab-fp"}
     parts = ["python", "-m", "torch.distributed.run"]
-    parts += [flag for group in torchrun_flags(1, **rendezvous, tee=False) for flag in group]
+    parts += [flag for group in torchrun_flags(1, **rendezvous, tee=False, forward_usr1=False) for flag in group]
     env = spec.effective_env
     if "GLOO_SOCKET_IFNAME" in env:  # the fingerprint talks gloo: pin its interface as the job does
         parts.insert(0, f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}")

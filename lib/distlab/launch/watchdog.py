@@ -6,9 +6,10 @@ generated torchrun script runs its job under (distlab.launch.torchrun).
 The contract is GNU `timeout --kill-after`'s. The command runs in a session of its own, so that its whole
 process group can be signalled at once. After `--timeout-s` seconds the group gets SIGTERM (torchrun forwards
 it to its ranks), and whatever is still running `--kill-after-s` seconds later gets SIGKILL; the exit status is
-then 124, however the command ended. SIGINT, SIGTERM and SIGHUP sent to the watchdog (Ctrl-C in the terminal,
-a scheduler, a closed terminal) are passed on to the command's group, with the same SIGKILL `--kill-after-s`
-later: the command is in another session, so the terminal's Ctrl-C reaches it only this way. Otherwise the exit
+then 124, however the command ended. SIGINT, SIGTERM, SIGHUP and SIGUSR1 sent to the watchdog (Ctrl-C in the
+terminal, a scheduler, a closed terminal, Slurm's `--signal` ahead of a time limit) are passed on to the
+command's group, with the same SIGKILL `--kill-after-s` later: the command is in another session, so the
+terminal's Ctrl-C reaches it only this way. Otherwise the exit
 status is the command's own; a command killed by a signal kills the watchdog with the same signal (as
 `timeout` does), so the shell that started the script sees what really happened.
 
@@ -40,7 +41,9 @@ from distlab.launch.process import KILL_GRACE_S, TRACK_INTERVAL_S, kill_group, t
 
 TIMED_OUT_EXIT = 124  # the limit was hit (GNU timeout's status)
 USAGE_EXIT, CANNOT_RUN_EXIT, NOT_FOUND_EXIT = 125, 126, 127
-PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what the watchdog forwards to the command's group
+# What the watchdog forwards to the command's group. SIGUSR1 too: distlab.train saves a checkpoint on it
+# (distlab.preemption), and its default action would kill the watchdog and orphan the job.
+PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 class WatchdogUsageError(ValueError):

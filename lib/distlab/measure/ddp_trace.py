@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from distlab.cli import finite_float, run_main
+from distlab.jsonio import strict_json
 from distlab.measure.chrome_trace import spans as chrome_trace_spans
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -81,7 +82,7 @@ def traced_step(out_dir: Path, bucket_cap_mb: float, rows: int = 2, seq_len: int
     result = {"rank": rank, "bucket_cap_mb": bucket_cap_mb, "spans": spans_of(json.loads(trace.read_text())),
               "buckets": [{"index": i, **buckets[i]} for i in sorted(buckets)]}
     trace.unlink()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    (out_dir / f"rank{rank}.json").write_text(strict_json(result))
     dist.destroy_process_group()
     return result
 

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from distlab.cli import run_main
+from distlab.jsonio import strict_json
 from distlab.measure.chrome_trace import spans as chrome_trace_spans
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -76,7 +77,7 @@ def traced_steps(out_dir: Path, steps: int, rows: int = 2, seq_len: int = 256) -
         result = {"rank": 0, "steps": steps, "rows": rows, "seq_len": seq_len,
                   "spans": spans_of(json.loads(trace.read_text()))}
         trace.unlink()
-        (out_dir / "rank0.json").write_text(json.dumps(result))
+        (out_dir / "rank0.json").write_text(strict_json(result))
     dist.barrier()
     dist.destroy_process_group()
     return result

@@ -31,7 +31,6 @@ so measured runs are slightly slower.
 from __future__ import annotations
 
 import contextlib
-import json
 import resource
 import statistics
 import time
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from distlab import compat
 from distlab.device import peak_memory_bytes
+from distlab.jsonio import strict_json
 from distlab.measure.bubble import step_summary
 
 
@@ -174,9 +174,9 @@ class PipelineTrace:
         summary = step_summary(events)
         if s.is_main:
             with open(self.timeline, "a") as fh:
-                fh.write(json.dumps({"step": self.step, "schedule": s.schedule_used, "stages": s.num_stages,
-                                     "virtual": s.virtual, "microbatches": s.microbatches,
-                                     "events": events}) + "\n")
+                fh.write(strict_json({"step": self.step, "schedule": s.schedule_used, "stages": s.num_stages,
+                                      "virtual": s.virtual, "microbatches": s.microbatches,
+                                      "events": events}) + "\n")
         return {
             "comm_time_s": summary["comm_time_s"], "comm_bytes": summary["comm_bytes"],
             "p2p_blocked_s": summary["p2p_blocked_s"], "bubble_fraction": summary["bubble_fraction"],

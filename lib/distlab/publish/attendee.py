@@ -30,6 +30,7 @@ from pathlib import Path
 
 from distlab import paths
 from distlab.cli import run_main
+from distlab.jsonio import strict_json
 from distlab.launch.process import run
 from distlab.strategies.deepspeed_runtime import extensions_dir
 
@@ -147,7 +148,7 @@ def merge_summaries(work: Path, lanes: int) -> dict:
         notebooks = merged.get("notebooks", []) + summary["notebooks"]
         merged = {**summary, **merged, "notebooks": sorted(notebooks, key=lambda n: n["name"])}
         merged["ok"] = all(n["status"] == "ok" for n in merged["notebooks"])
-    (work / "summary.json").write_text(json.dumps(merged, indent=1))
+    (work / "summary.json").write_text(strict_json(merged, indent=1))
     return merged
 
 

@@ -9,7 +9,6 @@ warning.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from distlab import paths
+from distlab.jsonio import strict_json
 from distlab.launch import process
 from distlab.publish.book_staging import BookBuildError, stage
 from distlab.publish.mathjax import MATHJAX_CDN, find_mathjax, install_mathjax
@@ -121,7 +121,7 @@ def build(source: str | Path | None = None, out: str | Path | None = None, *,
     es5 = find_mathjax() if mathjax == "auto" else (Path(mathjax) if mathjax else None)
     overrides = {"mathjax_path": "mathjax/tex-mml-chtml.js"} if es5 else {}
     cmd = [sys.executable, "-c", _SPHINX_SNIPPET, str(staged["src"]), str(html), str(staged["config"]),
-           str(staged["toc"]), "1" if strict else "0", json.dumps(overrides)]
+           str(staged["toc"]), "1" if strict else "0", strict_json(overrides)]
     res = process.run(cmd, timeout_s=timeout_s, log_path=out / "build.log", echo=collect, check=False,
                      tail_lines=400, env={"PYDEVD_DISABLE_FILE_VALIDATION": "1", "NO_COLOR": "1"})
     warnings = [ln for ln in lines if _DIAG_RE.search(ln)]

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import yaml
 
 from distlab import paths
+from distlab.jsonio import strict_json
 
 NOTEBOOK_RE = re.compile(r"^(\d+)_.+\.ipynb$")
 FIGURE_EXTS = (".png", ".svg", ".jpg", ".jpeg")
@@ -122,7 +123,7 @@ def provenance_line(rec: dict[str, Any] | None) -> str:
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = value if isinstance(value, str) else strict_json(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 import re
 import statistics
@@ -47,6 +46,7 @@ import yaml
 
 from distlab import yaml_input
 from distlab.cli import run_main
+from distlab.jsonio import strict_json
 from distlab.paths import DATA_DIR, REPO_ROOT
 
 SEED = 1234
@@ -639,7 +639,7 @@ def _readme(data: dict[str, list[dict]], seed: int, tables: Tables) -> str:
 
 
 def _jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
+    return "".join(strict_json(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8")
 
 
 def _file_bytes(seed: int = SEED, tables_dir: Path = TABLES_DIR) -> dict[str, bytes]:

@@ -38,6 +38,7 @@ import nbformat
 
 from distlab import paths
 from distlab.cli import run_main
+from distlab.jsonio import strict_json
 from distlab.provenance import git_commit, run_git
 from distlab.publish.profiles import discover, load_profiles, parameters_for
 
@@ -218,7 +219,7 @@ class ChapterCache:
         shutil.copy2(executed, target / "executed.ipynb")
         for name in written:
             shutil.copy2(figures_dir / name, target / "outputs" / name)
-        (target / "manifest.json").write_text(json.dumps(
+        (target / "manifest.json").write_text(strict_json(
             {"inputs": digest, "profile": profile, "commit": git_commit(), "outputs": written}, indent=2) + "\n")
         return written
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as _dt
-import json
 import os
 import re
 import shutil
@@ -46,6 +45,8 @@ import yaml
 
 from distlab import paths
 from distlab.cli import finite_float, run_main
+from distlab.folder_lock import FolderLock
+from distlab.jsonio import strict_json
 from distlab.launch import process
 from distlab.provenance import git_commit
 from distlab.publish.freshness import ChapterCache, chapter_inputs
@@ -354,108 +355,113 @@ def regenerate(
     notebooks_dir = Path(notebooks_dir or paths.NOTEBOOKS_DIR).resolve()
     out_dir = Path(out_dir or paths.BOOK_DIR / "notebooks").resolve()
     work_dir = Path(work_dir or paths.BUILD_DIR / "regenerate").resolve()
-    if profiles_file is None:
-        profiles_file = notebooks_dir / "profiles.yaml"
-    profiles = load_profiles(profiles_file)
-    if profile not in profiles and profile != DEFAULT_PROFILE:
-        raise ProfileError(f"unknown profile {profile!r} in {profiles_file} "
-                       f"(have: {', '.join(profiles) or 'none'})")
-    selected = only is not None
-    notebooks = discover(notebooks_dir, only)
+    # One run per work folder: two `make book`s at once would execute into the same executing/ copies and
+    # overwrite each other's figures (distlab.folder_lock; a dead run's lock is taken over, said so).
+    with FolderLock(work_dir, "notebook run (make book)") as lock:
+        if lock.took_over:
+            stream.write(lock.describe_takeover() + "\n")
+        if profiles_file is None:
+            profiles_file = notebooks_dir / "profiles.yaml"
+        profiles = load_profiles(profiles_file)
+        if profile not in profiles and profile != DEFAULT_PROFILE:
+            raise ProfileError(f"unknown profile {profile!r} in {profiles_file} "
+                           f"(have: {', '.join(profiles) or 'none'})")
+        selected = only is not None
+        notebooks = discover(notebooks_dir, only)
 
-    for sub in ("executing", "failed", "logs", "params"):
-        (work_dir / sub).mkdir(parents=True, exist_ok=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not selected:  # a full run: drop executed copies whose source notebook is gone
-        names = {p.name for p in notebooks}
-        for stale in out_dir.glob("*.ipynb"):
-            if NOTEBOOK_RE.match(stale.name) and stale.name not in names:
-                stale.unlink()
-                stream.write(f"removed {stale} (no such notebook any more)\n")
+        for sub in ("executing", "failed", "logs", "params"):
+            (work_dir / sub).mkdir(parents=True, exist_ok=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not selected:  # a full run: drop executed copies whose source notebook is gone
+            names = {p.name for p in notebooks}
+            for stale in out_dir.glob("*.ipynb"):
+                if NOTEBOOK_RE.match(stale.name) and stale.name not in names:
+                    stale.unlink()
+                    stream.write(f"removed {stale} (no such notebook any more)\n")
 
-    env = {"DISTLAB_PROFILE": profile}
-    if figures_dir is not None:
-        env["DISTLAB_FIGURES"] = str(Path(figures_dir).resolve())
-    outputs_dir = Path(figures_dir or paths.FIGURES_DIR).resolve()
-    cache = ChapterCache(cache_dir)
-    started = _dt.datetime.now(_dt.timezone.utc)
-    t0 = time.monotonic()
-    if not notebooks:
-        stream.write(f"no NN_*.ipynb notebooks in {notebooks_dir}: nothing to run\n")
-    results: list[NotebookResult] = []
-    for i, nb in enumerate(notebooks, 1):
-        params = parameters_for(profiles, profile, nb)
-        digest = chapter_inputs(nb, profile, params)
-        executing = work_dir / "executing" / nb.name
-        log_path = work_dir / "logs" / f"{nb.stem}.log"
-        failed_copy = work_dir / "failed" / nb.name
-        book_copy = out_dir / nb.name
-        if not force and cache.lookup(nb.stem, digest):
-            restored = cache.restore(nb.stem, nb, book_copy, outputs_dir)
-            failed_copy.unlink(missing_ok=True)
-            results.append(NotebookResult(name=nb.stem, source=str(nb), status="ok", elapsed_s=0.0,
-                                          executed=str(book_copy), log=str(log_path), parameters=params,
-                                          inputs=digest, cached=True))
-            stream.write(f"[{i}/{len(notebooks)}] {nb.stem} ... unchanged inputs {digest}: not executed "
-                         f"({len(restored)} output(s) restored from the cache)\n")
-            continue
-        progress = _Progress(f"[{i}/{len(notebooks)}] {nb.stem}", stream, verbose,
-                             cell_name=source_cell_namer(nb, params))
-        progress.open()
-        before = cache.watch(outputs_dir)
-        try:
-            run, failure = run_notebook(
-                nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s, log_path=log_path,
-                env={**env, "DISTLAB_CHAPTER": nb.name.split("_", 1)[0], "DISTLAB_INPUTS": digest},
-                kernel=kernel, echo=progress, params_dir=work_dir / "params",
+        env = {"DISTLAB_PROFILE": profile}
+        if figures_dir is not None:
+            env["DISTLAB_FIGURES"] = str(Path(figures_dir).resolve())
+        outputs_dir = Path(figures_dir or paths.FIGURES_DIR).resolve()
+        cache = ChapterCache(cache_dir)
+        started = _dt.datetime.now(_dt.timezone.utc)
+        t0 = time.monotonic()
+        if not notebooks:
+            stream.write(f"no NN_*.ipynb notebooks in {notebooks_dir}: nothing to run\n")
+        results: list[NotebookResult] = []
+        for i, nb in enumerate(notebooks, 1):
+            params = parameters_for(profiles, profile, nb)
+            digest = chapter_inputs(nb, profile, params)
+            executing = work_dir / "executing" / nb.name
+            log_path = work_dir / "logs" / f"{nb.stem}.log"
+            failed_copy = work_dir / "failed" / nb.name
+            book_copy = out_dir / nb.name
+            if not force and cache.lookup(nb.stem, digest):
+                restored = cache.restore(nb.stem, nb, book_copy, outputs_dir)
+                failed_copy.unlink(missing_ok=True)
+                results.append(NotebookResult(name=nb.stem, source=str(nb), status="ok", elapsed_s=0.0,
+                                              executed=str(book_copy), log=str(log_path), parameters=params,
+                                              inputs=digest, cached=True))
+                stream.write(f"[{i}/{len(notebooks)}] {nb.stem} ... unchanged inputs {digest}: not executed "
+                             f"({len(restored)} output(s) restored from the cache)\n")
+                continue
+            progress = _Progress(f"[{i}/{len(notebooks)}] {nb.stem}", stream, verbose,
+                                 cell_name=source_cell_namer(nb, params))
+            progress.open()
+            before = cache.watch(outputs_dir)
+            try:
+                run, failure = run_notebook(
+                    nb, executing, parameters=params, cwd=notebooks_dir, timeout_s=timeout_s, log_path=log_path,
+                    env={**env, "DISTLAB_CHAPTER": nb.name.split("_", 1)[0], "DISTLAB_INPUTS": digest},
+                    kernel=kernel, echo=progress, params_dir=work_dir / "params",
+                )
+            except BaseException:
+                progress.close("interrupted")
+                raise
+            res = NotebookResult(
+                name=nb.stem, source=str(nb), status="ok", elapsed_s=round(run.elapsed_s, 1),
+                executed=None, log=str(log_path), parameters=params,
+                ignored_parameters=list(progress.ignored), failing_cell=failure, inputs=digest,
             )
-        except BaseException:
-            progress.close("interrupted")
-            raise
-        res = NotebookResult(
-            name=nb.stem, source=str(nb), status="ok", elapsed_s=round(run.elapsed_s, 1),
-            executed=None, log=str(log_path), parameters=params,
-            ignored_parameters=list(progress.ignored), failing_cell=failure, inputs=digest,
-        )
-        if run.ok:
-            cache.store(nb.stem, digest, profile, executing, outputs_dir, before)
-            shutil.move(executing, book_copy)
-            failed_copy.unlink(missing_ok=True)
-            res.executed = str(book_copy)
-            note = f" (ignored parameters: {', '.join(res.ignored_parameters)})" if res.ignored_parameters else ""
-            progress.close(f"ok {run.elapsed_s:.1f}s{note}")
-        else:
-            if run.timed_out:
-                res.status = "timeout"
-                head = f"timed out after {run.elapsed_s:.0f}s (limit {timeout_s:g}s) and was killed"
-            elif failure is not None:
-                res.status = "failed"
-                head = f"failed (exit code {run.returncode})"
+            if run.ok:
+                cache.store(nb.stem, digest, profile, executing, outputs_dir, before)
+                shutil.move(executing, book_copy)
+                failed_copy.unlink(missing_ok=True)
+                res.executed = str(book_copy)
+                note = f" (ignored parameters: {', '.join(res.ignored_parameters)})" if res.ignored_parameters else ""
+                progress.close(f"ok {run.elapsed_s:.1f}s{note}")
             else:
-                res.status = "error"
-                head = f"papermill exited with code {run.returncode} before a cell failed"
-            if executing.exists():
-                shutil.move(executing, failed_copy)
-                res.executed = str(failed_copy)
-            if book_copy.exists():  # an older successful copy would show stale results
-                book_copy.unlink()
-            lines = [f"{nb.name} {head}"]
-            if failure is not None:
-                lines.append(f"  {failure.describe()}")
-            else:
-                lines.append("  last output:")
-                lines += [f"    | {ln}" for ln in [t for t in run.tail if t.strip()][-12:]]
-            if res.executed:
-                lines.append(f"  executed copy: {res.executed}")
-            lines.append(f"  log: {log_path}")
-            res.message = "\n".join(lines)
-            progress.close(f"{res.status.upper()} {run.elapsed_s:.1f}s"
-                           + (f": {failure.where()} {failure.what()}" if failure else ""))
-        results.append(res)
+                if run.timed_out:
+                    res.status = "timeout"
+                    head = f"timed out after {run.elapsed_s:.0f}s (limit {timeout_s:g}s) and was killed"
+                elif failure is not None:
+                    res.status = "failed"
+                    head = f"failed (exit code {run.returncode})"
+                else:
+                    res.status = "error"
+                    head = f"papermill exited with code {run.returncode} before a cell failed"
+                if executing.exists():
+                    shutil.move(executing, failed_copy)
+                    res.executed = str(failed_copy)
+                if book_copy.exists():  # an older successful copy would show stale results
+                    book_copy.unlink()
+                lines = [f"{nb.name} {head}"]
+                if failure is not None:
+                    lines.append(f"  {failure.describe()}")
+                else:
+                    lines.append("  last output:")
+                    lines += [f"    | {ln}" for ln in [t for t in run.tail if t.strip()][-12:]]
+                if res.executed:
+                    lines.append(f"  executed copy: {res.executed}")
+                lines.append(f"  log: {log_path}")
+                res.message = "\n".join(lines)
+                progress.close(f"{res.status.upper()} {run.elapsed_s:.1f}s"
+                               + (f": {failure.where()} {failure.what()}" if failure else ""))
+            results.append(res)
 
-    write_summary(work_dir / "summary.json", results, profile=profile, started=started,
-                  elapsed_s=time.monotonic() - t0, notebooks_dir=notebooks_dir, out_dir=out_dir)
-    return results
+        write_summary(work_dir / "summary.json", results, profile=profile, started=started,
+                      elapsed_s=time.monotonic() - t0, notebooks_dir=notebooks_dir, out_dir=out_dir)
+        return results
 
 
 def write_summary(path: Path, results: list[NotebookResult], **meta: Any) -> Path:
@@ -470,7 +476,7 @@ def write_summary(path: Path, results: list[NotebookResult], **meta: Any) -> Pat
         "notebooks": [asdict(r) for r in results],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    path.write_text(strict_json(doc, indent=2) + "\n")
     return path
 
 

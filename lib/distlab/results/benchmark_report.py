@@ -12,6 +12,7 @@ peak memory in bytes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -182,7 +183,9 @@ def loss_agreement(runs: Iterable[Mapping[int, Mapping[str, Any]]], reference: s
             raise ValueError(f"no {reference} run of mode {rec['mode']} to compare {rec['run']} with")
         if rec["steps"] != ref["steps"]:
             raise ValueError(f"{rec['run']} logged steps {rec['steps']}, {ref['run']} logged {ref['steps']}")
-        diff = max(abs(a - b) / abs(b) for a, b in zip(rec["loss"], ref["loss"]))
+        diffs = [abs(a - b) / abs(b) for a, b in zip(rec["loss"], ref["loss"])]
+        # max() keeps or drops a NaN depending on where it stands: a diverged step must show as NaN
+        diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
         rows.append({"run": rec["run"], "strategy": rec["strategy"], "mode": rec["mode"],
                      "world_size": rec["world_size"], "steps": len(rec["steps"]), "final_loss": rec["loss"][-1],
                      f"max rel. diff vs {reference}": diff})

@@ -109,6 +109,9 @@ def extract_results(source, expected_ranks=None, name: str | None = None) -> dic
             if isinstance(record.get("rank_summary"), dict):
                 # Strict JSON has no NaN: a number the rank could not measure was written as null.
                 record["rank_summary"] = {k: math.nan if v is None else v for k, v in record["rank_summary"].items()}
+            if isinstance(record.get("loss"), list):
+                # Every logged step has a loss, so a null in the list is one that was not finite (diverged).
+                record["loss"] = [math.nan if v is None else v for v in record["loss"]]
             results[rank], where[rank] = record, block.line
         elif stream in open_blocks:
             open_blocks[stream].body.append(rest)

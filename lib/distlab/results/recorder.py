@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from distlab.metrics import read_log, strict_json
+from distlab.jsonio import strict_json
+from distlab.metrics import read_log
 from distlab.provenance import device_description, git_commit
 from distlab.results import schema
 from distlab.results.schema import STATE_COMPONENTS
@@ -73,6 +74,7 @@ def rank_result(cfg, strategy, log_path: Path | None, summary: Mapping[str, Any]
         "global_batch_size": cfg.micro_batch_size * accum * dp, "seq_len": cfg.seq_len, "seed": cfg.seed,
         "lora_r": cfg.lora_r if cfg.lora else None, "vocab_parallel": cfg.vocab_parallel,
         "warmup_steps": schema.WARMUP_STEPS,
+        # a step's loss is always measured: NaN here (a diverged step) is written null, extract reads it as NaN
         "steps": [s["step"] for s in steps], "loss": [s["loss"] for s in steps],
         "step_time_s": [s["step_time_s"] for s in steps], "tokens": [s["tokens"] for s in steps],
         "comm_time_s": [s.get("comm_time_s") for s in steps], "comm_bytes": [s.get("comm_bytes") for s in steps],

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from distlab.jsonio import strict_json
 from distlab.slurm.cluster import Cluster, ClusterError
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
             stopped = cluster.down()
             print(f"cluster down: stopped {len(stopped)} process(es), nothing left running")
         else:
-            print(json.dumps(cluster.status(), indent=1))
+            print(strict_json(cluster.status(), indent=1))
     except ClusterError as e:
         print(f"distlab.slurm {args.command}: {e}")
         return 1

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from distlab.data import SFTData, model_inputs
 from distlab.device import DeviceChoice, autocast, backend_for
 from distlab.measure.meter import NULL_METER, Meter
+from distlab.safe_load import load_tensors
 
 
 def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
@@ -58,6 +59,9 @@ class Strategy:
     """Hooks the training loop calls. Subclasses override what their parallelism changes."""
 
     name = "base"
+    # Whether every rank writes its own part of a checkpoint (sharded state), or only the main rank
+    # (replicated state): what a rank checks free space for before a save.
+    shards_checkpoint = False
 
     def __init__(self) -> None:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
@@ -193,6 +197,14 @@ class Strategy:
     def barrier(self) -> None:
         pass
 
+    def world_max(self, value: int) -> int:
+        """The largest `value` over every rank of the world (every stage and group, unlike all_reduce_sum): how
+        the ranks agree on something only some of them saw, such as a scheduler's signal."""
+        return value
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.world_max(int(flag)) > 0
+
     # --- saving
     def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
         """The adapter (LoRA) or the whole model, loadable with from_pretrained."""
@@ -209,7 +221,7 @@ class Strategy:
                        path / "training_state.pt")
 
     def load_training_state(self, model, optimizer, path: Path) -> None:
-        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+        state = load_tensors(path / "training_state.pt")  # tensors and plain data only: a crafted file is refused
         load_trained_weights(self.unwrap(model), state["model"], path)
         optimizer.load_state_dict(state["optimizer"])
 
@@ -245,6 +257,17 @@ class DistributedStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a tensor for the default group's collectives lives: NCCL reduces only GPU tensors."""
+        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
+    def world_max(self, value: int) -> int:
+        vote = torch.tensor([value], dtype=torch.int64, device=self.collective_device)
+        with self.meter.paused():  # the loop's bookkeeping, not the strategy's traffic
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        return int(vote.item())
 
 
 def trained_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

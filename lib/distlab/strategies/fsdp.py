@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distlab.device import DeviceChoice
+from distlab.safe_load import check_dcp
 from distlab.strategies.base import DistributedStrategy, save_consolidated
 from distlab.strategies.split import decoder_layers
 
@@ -54,6 +55,7 @@ def offload_policy(cpu_offload: bool, device: torch.device | str) -> OffloadPoli
 
 class FSDPStrategy(DistributedStrategy):
     name = "fsdp"
+    shards_checkpoint = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,6 +106,7 @@ class FSDPStrategy(DistributedStrategy):
     def load_training_state(self, model, optimizer, path: Path) -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=self._state_options())
         state = {"model": model_sd, "optimizer": optim_sd}
+        check_dcp(path / "dcp")  # DCP unpickles its metadata and non-tensor entries as they come: plain data only
         dcp.load(state, checkpoint_id=str(path / "dcp"))  # fills the shards in place, with resharding
         # LoRA: the state holds only the trained tensors (dcp.load checked each one was in the
         # checkpoint); non-strict so the frozen base weights, left out on purpose, are not "missing".

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from distlab.device import DeviceChoice, autocast
 from distlab.layer_split import split_layers
+from distlab.safe_load import load_tensors
 from distlab.strategies.base import DistributedStrategy, load_trained_weights, trained_weights
 from distlab.strategies.split import PipelinedModel, RankChunks, StageModule, drop_other_stages, stack_microbatches
 
@@ -40,6 +41,8 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 class StagedStrategy(DistributedStrategy):
     """A rank that holds one pipeline stage."""
+
+    shards_checkpoint = True  # each stage writes its own weights and optimizer state
 
     def __init__(self) -> None:
         super().__init__()
@@ -221,7 +224,7 @@ class StagedStrategy(DistributedStrategy):
                     "stage_layers": [len(r) for r in model.ranges]}, self._state_file(path))
 
     def load_training_state(self, model, optimizer, path: Path) -> None:
-        state = torch.load(self._state_file(path), map_location="cpu", weights_only=False)
+        state = load_tensors(self._state_file(path))  # tensors and plain data only: a crafted file is refused
         if state["stage_layers"] != [len(r) for r in model.ranges]:
             raise RuntimeError(f"{path}: written with stage layers {state['stage_layers']}, resuming with "
                                f"{[len(r) for r in model.ranges]}")

@@ -30,7 +30,6 @@ distlab.strategies.deepspeed_runtime, shared with the DeepSpeed pipeline.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +38,15 @@ import torch
 from distlab import compat
 from distlab.data import model_inputs
 from distlab.device import DeviceChoice
+from distlab.jsonio import strict_json
+from distlab.safe_load import check_deepspeed
 from distlab.strategies.base import DistributedStrategy, cosine_with_warmup, save_consolidated
 from distlab.strategies.deepspeed_runtime import deepspeed_config, init_deepspeed, use_extensions_cache
 
 
 class ZeroStrategy(DistributedStrategy):
     name = "zero"
+    shards_checkpoint = True
     stage = 2
 
     def __init__(self) -> None:
@@ -72,7 +74,7 @@ class ZeroStrategy(DistributedStrategy):
         if self.is_main:
             out = Path(cfg.output_dir)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
+            (out / "ds_config.json").write_text(strict_json(self.ds_config, indent=2) + "\n")
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         self.engine = engine
         # The schedule drives the torch AdamW inside the engine, whose groups now hold DeepSpeed's
@@ -118,6 +120,7 @@ class ZeroStrategy(DistributedStrategy):
                               exclude_frozen_parameters=bool(self.cfg and self.cfg.lora))
 
     def load_training_state(self, model, optimizer, path: Path) -> None:
+        check_deepspeed(path / "deepspeed")  # DeepSpeed unpickles whatever the files hold: plain data only
         load_path, _ = model.load_checkpoint(str(path / "deepspeed"), tag="state", load_optimizer_states=True,
                                              load_lr_scheduler_states=False,
                                              load_module_strict=not (self.cfg and self.cfg.lora))

@@ -14,9 +14,10 @@ result as JSON (`write_result`) to the path given with `--out`; the launching si
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from distlab.jsonio import strict_json
 
 
 def write_result(path: Path, result: dict[str, Any]) -> None:
@@ -24,5 +25,5 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.write_text(strict_json(result, indent=1) + "\n")
     tmp.replace(path)

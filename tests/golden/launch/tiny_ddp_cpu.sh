@@ -36,6 +36,7 @@ exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 900 --kill-after-s 60 -- \
   --nproc-per-node 2 \
   --max-restarts 0 \
   --standalone \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --log-dir logs/tiny_ddp_cpu \
   --tee 3 \
   -m distlab.train --config lib/distlab/configs/tiny_lora.yaml --set strategy=ddp --set max_steps=20

@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Mapping
 
+from distlab.jsonio import strict_json
 from distlab.launch.kubernetes.manifests import LABEL_RUN
 from distlab.results.extract import ResultLogError, extract_results
 
@@ -113,7 +114,7 @@ def collect_pods(namespace: str, run: str, out: str | Path | None = None,
                                             encoding="utf-8")
     results = results_from_logs(logs)
     if out is not None:
-        (Path(out) / run / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        (Path(out) / run / "results.json").write_text(strict_json(results, indent=1) + "\n")
     return results
 
 

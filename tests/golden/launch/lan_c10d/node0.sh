@@ -45,6 +45,7 @@ exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 7200 --kill-after-s 90 -- 
   --rdzv-backend c10d \
   --rdzv-endpoint 192.168.1.100:29400 \
   --rdzv-id distlab-lan \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --log-dir logs/lan_c10d \
   --tee 3 \
   -m distlab.train --config lib/distlab/configs/enterprise_7b_lora.yaml --set max_steps=50

@@ -56,6 +56,7 @@ exec "$PYTHON" -m distlab.launch.watchdog --timeout-s 3600 --kill-after-s 60 -- 
   --rdzv-backend static \
   --master-addr 192.168.1.100 \
   --master-port 29500 \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   --log-dir logs/lan_static \
   --tee 3 \
   -m distlab.train --config lib/distlab/configs/enterprise_7b_lora.yaml --set strategy=ddp --set max_steps=50
