@@ -148,6 +148,18 @@ def test_grace_fits_the_measured_stop():
     assert preemption.grace_seconds(None) == preemption.grace_seconds(preemption.UNMEASURED_STOP_S)
 
 
+def test_a_kubernetes_job_outlasts_its_measured_stop():
+    """torchrun waits the grace for the ranks after an eviction's SIGTERM; the pod's grace outlasts that wait."""
+    from distlab.launch.catalog import KubeRun, kube_job
+    from distlab.launch.kubernetes.manifests import job_manifest
+
+    job = kube_job(KubeRun("ddp-2gpu", "ddp", 2, 50, 64, "a measured stop", 3600, stop_s=42.0))
+    grace = preemption.grace_seconds(42.0)
+    assert job.spec.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(grace) and grace >= 2 * 42.0
+    pod = job_manifest(job)["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == grace + preemption.EXIT_S
+
+
 def test_stop_request_restores_the_handlers_it_replaced():
     before = signal.getsignal(signal.SIGTERM)
     with preemption.StopRequest() as stop:
@@ -177,8 +189,11 @@ def test_slurm_usr1_saves_requeues_and_the_requeued_job_resumes_bitwise(cluster,
                                         for w in ("--set", f"{k}={'null' if v is None else v}")]
     spec = SlurmSpec("preempt-train", module="distlab.train", args=args, nodes=2, tasks_per_node=1,
                      model_dir=resolve_model(None), out_dir=str(tmp_path / "out"), log_dir=str(tmp_path / "logs"),
-                     script_dir=str(tmp_path / "job"), time="00:05:00", resumable=True, stop_s=1.0)
+                     script_dir=str(tmp_path / "job"), time="00:05:00", resumable=True,
+                     stop_s=preemption.measured_stop_s(clean.output_dir))  # its checkpoints at 4 and 8, timed
     write_files(spec, "/")
+    grace = preemption.grace_seconds(spec.stop_s)
+    assert f"#SBATCH --signal=USR1@{grace}\n" in (tmp_path / "job" / "submit.sbatch").read_text()
     (tmp_path / "logs").mkdir()
     job = submit.submit(cluster, tmp_path / "job" / "submit.sbatch", env={"PYTHON": sys.executable}, cwd=REPO_ROOT)
     out = tmp_path / "out" / "preempt-train"

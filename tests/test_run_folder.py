@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -145,3 +146,16 @@ def test_too_little_space_is_found_before_writing(small_disk):
     assert f"{out}/checkpoints/.tmp-step-00000003: not written" in lines[0] and "the checkpoint needs about" in lines[0]
     assert not any((out / "checkpoints").glob(".tmp-*")) if (out / "checkpoints").exists() else True
     assert checkpoint.latest(out) is None
+
+
+def test_a_second_book_run_into_the_same_work_folder_is_refused(tmp_path):
+    """`make book` twice at once would execute into one executing/ folder: the second is refused, naming the first."""
+    from distlab.publish.regenerate import regenerate  # deferred: papermill and nbformat, for this test only
+
+    work = tmp_path / "work"
+    (tmp_path / "notebooks").mkdir()
+    with FolderLock(work, "notebook run (make book)"):
+        said = f"{work}: in use by another notebook run (make book) (pid {os.getpid()}"
+        with pytest.raises(FolderInUse, match=re.escape(said)):
+            regenerate(notebooks_dir=tmp_path / "notebooks", out_dir=tmp_path / "out", work_dir=work,
+                       profiles_file=tmp_path / "none.yaml", stream=open(os.devnull, "w"))
