@@ -39,10 +39,11 @@ TORCH_INDEX ?=
 
 # Torch first, alone, so pip takes the local CPU build of 2.13.0; then everything else
 # under the lock as a constraint so nothing replaces it.
-$(STAMP): requirements.lock pyproject.toml | venv-check
+$(STAMP): requirements.lock pyproject.toml tools/pretrained.txt | venv-check
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)",)
 	$(PY) -m pip install -q -r requirements.lock -c requirements.lock
+	$(PY) -m pip install -q --no-deps --require-hashes -r tools/pretrained.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (distlab)" >/dev/null
 	@touch $@
@@ -60,10 +61,12 @@ deepspeed-op: $(STAMP)
 debian:
 	bash tools/ensure_debian_packages.sh
 
-# The default model is a tiny Qwen2 pretrained here on first use (a few minutes, once, cached in build/models/).
-# Built up front so that no notebook kernel or torchrun rank builds it inside its own time limit.
+# The default model is a tiny Qwen2 pretrained here on first use (a few minutes, once, cached in build/models/);
+# SmolLM2-135M-Instruct is converted once from the GGUF file its package carries (about 25 s). Both are built up
+# front so that no notebook kernel or torchrun rank builds one inside its own time limit.
 models: $(STAMP)
 	$(PY) -c 'from distlab.models import build_default_model; build_default_model()'
+	$(PY) -c 'from distlab.pretrained import build_smollm2; build_smollm2()'
 
 test: $(STAMP) debian deepspeed-op models lint
 	$(PY) -m pytest $(PYTEST_ARGS)

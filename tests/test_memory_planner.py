@@ -224,9 +224,9 @@ def test_recommender_replays_the_lan_cluster_decision_tree():
 
     full = memory.recommend(memory.QWEN3_06B, lan, lora_r=None)
     assert full.strategy == "zero2"  # weights fit, gradients + fp32 moments do not: shard those
-    h100 = memory.recommend(memory.QWEN25_7B, [{"name": "H100", "memory_gb": 80}] * 8, lora_r=None, link_gbit=400)
+    h100 = memory.recommend(memory.QWEN25_7B, [{"name": "H100", "memory_gib": 80}] * 8, lora_r=None, link_gbit=400)
     assert h100.strategy == "zero2" and h100.plan.total < 78.5 * GIB  # weights fit an 80 GB GPU whole
-    a100 = memory.recommend(memory.QWEN25_7B, [{"name": "A100", "memory_gb": 40}] * 4, lora_r=None, link_gbit=400)
+    a100 = memory.recommend(memory.QWEN25_7B, [{"name": "A100", "memory_gib": 40}] * 4, lora_r=None, link_gbit=400)
     assert a100.strategy in ("fsdp", "zero3") and a100.per_device["fits"].all()  # only 1/4 of everything fits
     none = memory.recommend(memory.QWEN25_7B, lan, lora_r=None)
     assert none.strategy == "none" and "Nothing fits" in none.reasoning[-1]
@@ -245,7 +245,7 @@ def test_recommendation_is_a_decision_rendered_as_prose():
 
 
 def test_on_a_fast_link_the_recommender_tries_tensor_parallelism_in_pairs_when_sharding_alone_does_not_fit():
-    four = [{"name": "A100", "memory_gb": 40}] * 4
+    four = [{"name": "A100", "memory_gib": 40}] * 4
     kwargs = dict(lora_r=None, seq_len=4096, micro_batch=1, activation_checkpointing=False)
     fast = advice.decide(memory.LLAMA2_7B, four, link_gbit=400, **kwargs)
     assert fast.outcome == "tp_fits" and fast.chosen.strategy == "fsdp_tp" and fast.outcome in advice.OUTCOMES

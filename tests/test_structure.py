@@ -26,7 +26,8 @@ LAYERS = (
     # core: what a training run is made of; torch-free where it can be (config, paths, provenance, ...)
     {"distlab", "attention", "batching", "checkpoint", "cli", "compat", "config", "data", "device", "dropout",
      "faults", "generate", "jsonio", "keyfacts", "layer_split", "metrics", "models", "paths", "prepare", "provenance",
-     "yaml_input", "markdown", "machine", "preemption", "folder_lock", "safe_load"},
+     "yaml_input", "markdown", "machine", "preemption", "folder_lock", "safe_load", "sharded_load",
+     "pretrained"},
     {"measure", "results"},  # watching a run from outside, and the one results vocabulary
     {"strategies"},  # how the loop is distributed
     {"train", "planning", "launch"},  # the loop; memory before running; writing and running launches

@@ -18,7 +18,9 @@ Read it bottom up, layer by layer: a module imports only from its own layer and 
   attention    per-document (varlen) attention for packed rows; which SDPA backends run                ch. 01, 04
   dropout      LoRA dropout from 16-bit coins                                                          ch. 01
   device       device/dtype choice, process-group backend, peak FLOP/s, memory readings                ch. 01
+  pretrained   a real pretrained base offline: SmolLM2-135M-Instruct from a package's GGUF file     ch. 01
   prepare      device, tokenizer, data and the loss-computing model (+ LoRA) for a run                 ch. 01
+  sharded_load loading that shards: a weightless model, sharded, then each rank reads only its part     ch. 03, 07
   metrics      FLOPs per token (MFU) and the JSONL step log                                            ch. 01
   checkpoint   atomic checkpoints a killed run resumes from                                            ch. 02
   safe_load    loading saved state as tensors and plain data only: a file never runs code              ch. 02

@@ -305,7 +305,7 @@ def _known_model(v: str) -> bool:
         return True
     from distlab import models  # deferred: torch and transformers only when a model name needs checking
 
-    presets = {models.DEFAULT_MODEL, *models.RANDOM_PRESETS, *getattr(models, "MODEL_PRESETS", {})}
+    presets = {models.DEFAULT_MODEL, *models.RANDOM_PRESETS, *models.PRETRAINED_BASES}
     if v in presets:
         return True
     if v.startswith(("/", ".", "~")) or v.count("/") > 1:

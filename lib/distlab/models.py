@@ -34,6 +34,7 @@ from distlab.attention import resolve
 from distlab.data import IGNORE_INDEX, build_sft_data, load_jsonl
 from distlab.jsonio import strict_json
 from distlab.paths import DATA_DIR, MODEL_CACHE
+from distlab.pretrained import SMOLLM2, build_smollm2
 from distlab.safe_load import refusal
 
 DEFAULT_MODEL = "distlab-tiny"  # the pretrained tiny Qwen2 base
@@ -69,6 +70,8 @@ QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_laye
                         num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                         tie_word_embeddings=True, rms_norm_eps=1e-6, vocab_size=151936)
 RANDOM_PRESETS = {"qwen2.5-0.5b-random": QWEN25_05B_SHAPE, "distlab-tiny-random": TINY_QWEN2}
+# Real pretrained bases that come offline, from a package: name -> builder returning a from_pretrained folder
+PRETRAINED_BASES = {SMOLLM2: build_smollm2}
 
 
 @contextmanager
@@ -252,6 +255,8 @@ def resolve_model(model: str | Path | None) -> str:
     """Name or folder that from_pretrained understands; the default name builds the pretrained base."""
     if model in (None, "", DEFAULT_MODEL):
         return str(build_default_model())
+    if model in PRETRAINED_BASES:
+        return str(PRETRAINED_BASES[model]())
     return str(model)
 
 
@@ -391,11 +396,17 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
     return str(folder)
 
 
+def _numel(p) -> int:
+    """A parameter's whole size: ZeRO-3 partitions parameters as they load (deepspeed.zero.Init), leaving each
+    rank an empty tensor with the whole count in `ds_numel`."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(total, trainable) parameter counts; a 4-bit weight counts its weights, not the bytes they are packed in."""
-    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None else p.numel()
+    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None else _numel(p)
                 for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(_numel(p) for p in model.parameters() if p.requires_grad)
     return total, trainable
 
 

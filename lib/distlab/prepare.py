@@ -11,6 +11,7 @@ import random
 
 import torch
 
+from distlab import sharded_load
 from distlab.config import TrainConfig
 from distlab.data import build_sft_data
 from distlab.device import choose_device
@@ -47,8 +48,20 @@ def prepare_run(cfg: TrainConfig, strategy):
     seed_everything(cfg.seed)  # the same initial LoRA weights on every rank and every world size
     compute = choice.dtype if cfg.quant_compute_dtype == "auto" else QUANT_DTYPES[cfg.quant_compute_dtype]
     quantization = quantization_config(cfg.quantization, cfg.double_quant, compute)
-    model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation,
-                       quantization=quantization)
+    # fsdp, tp and fsdp_tp build the model without weights, shard it, then read only each rank's part
+    # (distlab.sharded_load); random presets and quantised bases load whole on every rank, as on every other
+    # strategy (so a preset starts from the same seeded weights everywhere; FSDP+QLoRA still loads a whole replica)
+    whole_because = sharded_load.whole_model_reason(cfg) if strategy.loads_shards else None
+    shards = strategy.loads_shards and whole_because is None
+    if whole_because and strategy.is_main:
+        print(f"[distlab] {strategy.name}: every rank loads the whole model, then shards it: {whole_because}",
+              flush=True)
+    if shards:
+        model = sharded_load.empty_model(cfg.model, choice.dtype, cfg.attn_implementation)
+    else:
+        with strategy.load_context(cfg, choice):  # ZeRO-3: partitioned as it loads
+            model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation,
+                               quantization=quantization)
     if quantization is not None:
         # what QLoRA users run: freeze the base, cast its unquantised layers (embeddings, norms, biases) to fp32,
         # and switch on activation checkpointing the way k-bit layers need it
@@ -61,4 +74,6 @@ def prepare_run(cfg: TrainConfig, strategy):
     model.config.use_cache = False
     if cfg.lora:
         model = apply_lora(model, cfg)
-    return choice, tokenizer, train_data, eval_data, CausalLMWithLoss(model)
+    model = CausalLMWithLoss(model)
+    # weightless: the strategy's wrap_model shards it and fills each rank's part (sharded_load.fill)
+    return choice, tokenizer, train_data, eval_data, sharded_load.defer_weights(model, cfg.model) if shards else model

@@ -142,15 +142,14 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
     resume_from = checkpoint.latest(out) if cfg.resume else None
     differ = (checkpoint.check_resume(resume_from, run_fingerprint, None if cfg.epochs is not None else cfg.max_steps,
                                       force=cfg.resume == "force") if resume_from is not None else [])
-    # Host memory while the model loads: every rank reads (and, for a quantised base, quantises) the whole
-    # model before any strategy shards it, so this peak is per rank, whatever the strategy keeps afterwards.
+    # Host memory while the model loads, per rank: under single, ddp, zero2 and the pipelines every rank reads
+    # the whole model (and quantises it, for a 4-bit base); fsdp, tp and fsdp_tp read only their own slices,
+    # inside strategy.prepare (distlab.sharded_load); zero3 loads partitioned. The peak is read once
+    # strategy.prepare has finished loading.
     host = torch.device("cpu")
     reset_peak_memory(host)
     host_before_load = psutil.Process().memory_info().rss  # the interpreter and its libraries
     choice, tokenizer, train_data, eval_data, model = prepare_run(cfg, strategy)
-    # VmHWM is updated lazily by the kernel: it can miss a rise that was already sampled above, so the
-    # peak includes its own starting sample and can never read below it
-    host_peak_at_load = max(host_before_load, peak_memory_bytes(host))
     n_total, n_trainable = count_parameters(model)
     batches = StepBatches(len(train_data), cfg.micro_batch_size, accum, strategy.data_parallel_size,
                           strategy.data_parallel_rank, cfg.seed, cfg.rank_shares)
@@ -162,6 +161,9 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
             print(f"[distlab] {cfg.epochs:g} epochs of {batches.steps_per_epoch} steps: {cfg.max_steps} optimizer "
                   f"steps (epochs decide the step count; max_steps is not used)", flush=True)
     model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
+    # VmHWM is updated lazily by the kernel: it can miss a rise that was already sampled above, so the
+    # peak includes its own starting sample and can never read below it
+    host_peak_at_load = max(host_before_load, peak_memory_bytes(host))
     faults.install_slowdown(strategy.unwrap(model))  # chapter 05's emulated slow device; off by default
     if strategy.is_main:
         checkpoint.clean_partial(out)

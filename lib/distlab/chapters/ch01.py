@@ -9,10 +9,12 @@ in distlab.measure (which watches runs others build) or distlab.planning (torch-
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import torch
 from matplotlib.patches import FancyBboxPatch
@@ -20,11 +22,13 @@ from matplotlib.patches import FancyBboxPatch
 from distlab import keyfacts
 from distlab.config import TrainConfig
 from distlab.data import model_inputs
-from distlab.device import autocast
-from distlab.generate import read_fact_rows, side_by_side
+from distlab.device import autocast, choose_device
+from distlab.generate import keyfact_accuracy, read_fact_rows, side_by_side
 from distlab.measure.state import measure_activation_memory, measure_state
 from distlab.metrics import read_log
-from distlab.planning import memory
+from distlab.models import CausalLMWithLoss
+from distlab.paths import EVAL_FILE, PARAPHRASES
+from distlab.planning import cards, memory
 from distlab.prepare import prepare_run
 from distlab.results.schema import STATE_COMPONENTS, MemoryBreakdown
 from distlab.strategies import make_strategy
@@ -221,6 +225,28 @@ def keyfact_table(scores: dict[tuple[str, str], dict]) -> pd.DataFrame:
     return table[[c for c in columns if c in table]]  # before training, there is no "after" yet
 
 
+def score_question_sets(lm, tokenizer, when: str, max_new_tokens: int, template_rows: int | None,
+                        paraphrase_rows: int | None) -> dict[tuple[str, str], dict]:
+    """Key-fact accuracy of `lm`'s greedy answers on the template questions and the paraphrases:
+    {("templates" | "paraphrases", when): keyfact_accuracy result}."""
+    return {("templates", when): keyfact_accuracy(lm, tokenizer, EVAL_FILE, max_new_tokens, limit=template_rows),
+            ("paraphrases", when): keyfact_accuracy(lm, tokenizer, PARAPHRASES, max_new_tokens, limit=paraphrase_rows)}
+
+
+def bases_table(scores: dict[str, dict[tuple[str, str], dict]]) -> pd.DataFrame:
+    """{base model: {(question set, "before"|"after"): keyfact_accuracy result}} as one `keyfact_table` row per
+    base and question set, side by side."""
+    return pd.concat({base: keyfact_table(score) for base, score in scores.items()}, names=["base"])
+
+
+def misses_by_kind(score: dict) -> pd.Series:
+    """How a keyfact_accuracy result's questions came out: every fact stated, some missing (the right topic,
+    a fact left out), or none stated (in this data, nearly always an answer to another question)."""
+    kinds = ["every fact" if not r["missing"] else "none" if r["found"] == 0 else "some missing"
+             for r in score["rows"]]
+    return pd.Series(kinds).value_counts().reindex(["every fact", "some missing", "none"], fill_value=0)
+
+
 def quality_table(runs: dict[str, tuple[Any, dict, dict]]) -> pd.DataFrame:
     """{run name: (TrainResult, key-fact score on the template questions, on the paraphrases)} as one row
     per run: held-out loss before and after training, and key-fact accuracy on both question sets."""
@@ -252,8 +278,8 @@ def activation_memory_by_micro_batch(cfg: TrainConfig, micro_batch_sizes) -> pd.
 
 def plan_7b_lora():
     """The memory estimate of Llama-2-7B + LoRA r=16 on q,v at micro-batch 1 x 2048 tokens, weights in
-    bf16 or 4-bit, activation checkpointing off or on, as a stacked bar chart against 12 GB and 8 GB
-    cards. Returns (figure, table in GiB)."""
+    bf16 or 4-bit, activation checkpointing off or on, as a stacked bar chart against the LAN cluster's
+    12 GB and 8 GB laptop GPUs. Returns (figure, table in GiB)."""
     rows = {}
     for bits, label in ((16, "bf16"), (4, "4-bit")):
         for ckpt in (False, True):
@@ -263,11 +289,78 @@ def plan_7b_lora():
     plan = memory.breakdown_table(rows, unit=2**30, unit_name="GiB").T
     fig, ax = plt.subplots(figsize=(7.5, 3.5))
     plan.drop(columns="total").plot.barh(stacked=True, ax=ax)
-    for gb, name, side in ((12, "RTX 5070 Ti 12 GB", "left"), (8, "RTX 4070 / 3070 Ti 8 GB", "right")):
-        x = gb * 1e9 / 2**30  # a card's GB are 10^9 bytes; the axis is in GiB
-        ax.axvline(x, color="k", ls="--", lw=1)
-        ax.text(x, 1.01, f" {name} = {x:.2f} GiB ", transform=ax.get_xaxis_transform(), fontsize=7, ha=side,
+    big, small, _ = cards.LAN_CARDS  # the 3070 Ti Laptop GPU has the 4070's 8 GiB
+    for x, name, side in ((big.memory_gib, big.name.removeprefix("GeForce "), "left"),
+                          (small.memory_gib, "RTX 4070 / 3070 Ti Laptop GPU", "right")):
+        ax.axvline(x, color="k", ls="--", lw=1)  # a card's "GB" are GiB (distlab.planning.cards)
+        ax.text(x, 1.01, f" {name}: {x:g} GiB ", transform=ax.get_xaxis_transform(), fontsize=7, ha=side,
                 va="bottom")
     ax.set_xlabel("GiB per GPU (estimate)")
     ax.set_title("Llama-2-7B + LoRA r=16 (q,v), micro-batch 1 x 2048 tokens", pad=14)
     return fig, plan
+
+
+# --------------------------------------------------------------------------- the real base's 4-bit round trip
+
+def gguf_grid_steps(model, block: int = 32) -> dict[str, torch.Tensor]:
+    """The rounding step of every block of the real base's quantised weights, read back from the
+    dequantised values themselves: {parameter name: step per block}.
+
+    Q4_1 stores 32 weights as min + step x code with codes 0..15, the block's smallest weight at code 0
+    and its largest at 15, so step = (max - min) / 15. Q8_0 (the token embedding, tied to the LM head)
+    stores step x code with codes -127..127 and its largest |weight| at 127, so step = max|w| / 127.
+    Norm weights are stored unquantised and have no step. Asserts that every weight of a block sits on
+    its grid, which is what makes the steps exact."""
+    steps = {}
+    for name, p in model.named_parameters():
+        if p.ndim != 2 or p.shape[-1] % block:
+            continue
+        w = p.detach().float().reshape(-1, block)
+        if "embed" in name:
+            step = w.abs().amax(dim=1) / 127
+            codes = w / step[:, None]
+        else:
+            low = w.amin(dim=1)
+            step = (w.amax(dim=1) - low) / 15
+            codes = (w - low[:, None]) / step[:, None]
+        live = step > 0
+        off_grid = (codes[live] - codes[live].round()).abs().max()
+        assert off_grid < 1e-2, f"{name}: weights are not on a {block}-weight block grid (off by {off_grid:.3g} steps)"
+        steps[name] = step
+    return steps
+
+
+def round_trip_cost(model, data, steps: dict[str, torch.Tensor], seeds=(0, 1), block: int = 32,
+                    blocks: int | None = None) -> pd.DataFrame:
+    """What rounding to the 4-bit grid costs, estimated without the original weights: the held-out loss
+    of the model as shipped, then with a second dose of the same rounding noise (uniform in +-step/2 per
+    block, the error of rounding to that grid) added to every quantised weight, once per seed. If rounding
+    errors act as independent noise, the second dose raises the loss about as much as the first did.
+    Returns one row per setting: held-out loss, and the weights' relative RMS noise. `blocks`: the first
+    packed blocks of `data` only (None: all)."""
+    data = dataclasses.replace(data, items=data.items[:blocks])
+    strategy, choice = make_strategy("single"), choose_device("cpu", "fp32")
+    params = dict(model.named_parameters())
+    shipped = {name: params[name].detach().clone() for name in steps}
+    noise_rms = {}
+    for name, step in steps.items():
+        w = shipped[name].float().reshape(-1, block)
+        noise_rms[name] = float((step.pow(2).mean() / 12).sqrt() / w.pow(2).mean().sqrt())
+    wrapped = CausalLMWithLoss(model)
+    rows = [{"weights": "as shipped (Q4_1 grid)", "held-out loss": strategy.evaluate(wrapped, data, choice),
+             "relative RMS noise of the weights": float(np.mean(list(noise_rms.values())))}]
+    try:
+        for seed in seeds:
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, step in steps.items():
+                    u = torch.rand(shipped[name].numel() // block, block, generator=generator) - 0.5
+                    params[name].copy_(shipped[name] + (u * step[:, None]).reshape(shipped[name].shape))
+            rows.append({"weights": f"+ a second dose of rounding noise (seed {seed})",
+                         "held-out loss": strategy.evaluate(wrapped, data, choice),
+                         "relative RMS noise of the weights": float(np.sqrt(2) * np.mean(list(noise_rms.values())))})
+    finally:
+        with torch.no_grad():
+            for name in steps:
+                params[name].copy_(shipped[name])
+    return pd.DataFrame(rows).set_index("weights")

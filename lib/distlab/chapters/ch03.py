@@ -194,7 +194,7 @@ def plot_loss_by_strategy(curves: pd.DataFrame, modes: Sequence[str], path, prov
 
 # ---------------------------------------------------------------- the LAN cluster's cards
 
-RESERVE_GIB = inspect.signature(memory.recommend).parameters["reserve_gb"].default  # the recommender's reserve
+RESERVE_GIB = inspect.signature(memory.recommend).parameters["reserve_gib"].default  # the recommender's reserve
 SETUPS = (("LoRA, bf16 weights", dict(lora_r=16, weight_bytes=2)),
           ("LoRA, 8-bit weights", dict(lora_r=16, weight_bytes=1)),
           ("LoRA, 4-bit weights", dict(lora_r=16, weight_bytes=0.5)), ("full, bf16", dict(lora_r=None, weight_bytes=2)))
@@ -214,7 +214,7 @@ def fit_table(models: Mapping[str, object], cards: Sequence[Mapping], world_size
                 b = memory.plan_memory(shape, strategy=s, world_size=world_size, micro_batch=1, seq_len=2048,
                                        activation_bytes=2, activation_checkpointing=True,
                                        lora_targets=targets.get(name), **kw)
-                fits = [c["name"] for c in cards if b.total / GIB <= c["memory_gb"] - RESERVE_GIB]
+                fits = [c["name"] for c in cards if b.total / GIB <= c["memory_gib"] - RESERVE_GIB]
                 rows.append({"model": name, "setup": setup, "strategy": s, "planned_gib": b.total / GIB,
                              "fits": "every card" if len(fits) == len(cards) else ", ".join(fits) or "no card"})
     return pd.DataFrame(rows)
@@ -253,7 +253,7 @@ def plan_figure(models: Mapping[str, object], model: str = "Qwen2.5-7B-Instruct"
                 lora_r: int = 16, micro_batch: int = 1, seq_len: int = 2048, strategy: str = "all",
                 world_size: int = 3, checkpointing: bool = True, cards: Sequence[Mapping] = memory.LAN_CLUSTER[:2]):
     """The planner's per-rank bytes for one setup, every strategy, against the usable memory of `cards`
-    (vendor capacity in GB, memory chips' binary GB, i.e. GiB, less the recommender's reserve)."""
+    (a card's "GB" are GiB, distlab.planning.cards, less the recommender's reserve)."""
     wb, ab = memory.DTYPE_BYTES[dtype]
     shown = memory.STRATEGY_NAMES[:5] if strategy == "all" else (strategy,)
     rows = {}
@@ -264,8 +264,10 @@ def plan_figure(models: Mapping[str, object], model: str = "Qwen2.5-7B-Instruct"
         rows[f"{s} x{k}"] = memory.plan_memory(models[model], strategy=s, world_size=k, weight_bytes=wb,
                                                activation_bytes=ab, lora_r=lora_r or None, micro_batch=micro_batch,
                                                seq_len=seq_len, activation_checkpointing=checkpointing)
-    usable = {f"{c['name']} ({c['memory_gb']:g} GB card): {c['memory_gb'] - RESERVE_GIB:g} GiB usable":
-              c["memory_gb"] - RESERVE_GIB for c in sorted(cards, key=lambda c: c["memory_gb"])}
+    usable = {}
+    for c in sorted(cards, key=lambda c: c["memory_gib"]):
+        name, left = c["name"].removeprefix("GeForce "), c["memory_gib"] - RESERVE_GIB
+        usable[f"{name} ({c['memory_gib']:g} GiB): {left:g} usable"] = left
     title = f"{model}, {dtype}, {'LoRA r=%d' % lora_r if lora_r else 'full'}, {micro_batch} x {seq_len} tokens"
     fig = plot_breakdowns(rows, usable, title=title)
     fig.axes[0].set_xlabel(f"GiB per rank (planned); dashed: usable after a {RESERVE_GIB:g} GiB reserve")
@@ -394,6 +396,6 @@ def advice_before_after(shape, cards: Sequence[Mapping], model_name: str, **kw) 
         rec = memory.recommend(shape, cards, model_name=model_name, shard_quantised=shard, **kw)
         rows.append({"advice": when, "recommended": rec.label,
                      "GiB per GPU": round(rec.plan.total / GIB, 2) if rec.plan is not None else float("nan"),
-                     "smallest usable GiB": round(min(c["memory_gb"] for c in cards) - RESERVE_GIB, 2),
+                     "smallest usable GiB": round(min(c["memory_gib"] for c in cards) - RESERVE_GIB, 2),
                      "last step of the reasoning": rec.reasoning[-1]})
     return pd.DataFrame(rows).set_index("advice")

@@ -50,7 +50,7 @@ def parse_devices(text: str | None) -> list[dict]:
     for item in text.split(","):
         name, _, gb = item.rpartition(":")
         try:
-            devices.append({"name": name or f"gpu{len(devices)}", "memory_gb": float(gb)})
+            devices.append({"name": name or f"gpu{len(devices)}", "memory_gib": float(gb)})
         except ValueError:
             raise UsageError(f"--devices {text!r}: expected NAME:GB,NAME:GB,... (e.g. 'RTX 4070:8')") from None
     return devices
@@ -88,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown.table(memory.breakdown_table({"per rank": plan}, unit=gib, unit_name="GiB").round(3).reset_index()))
     reserve = 1.5
     for d in devices:
-        usable = d["memory_gb"] - reserve
+        usable = d["memory_gib"] - reserve
         verdict = "fits" if plan.total / gib <= usable else "does NOT fit"
-        print(f"  {d['name']}: {usable:.1f} GiB usable ({d['memory_gb']:g} - {reserve} reserve): "
+        print(f"  {d['name']}: {usable:.1f} GiB usable ({d['memory_gib']:g} - {reserve} reserve): "
               f"{plan.total / gib:.2f} GiB {verdict}")
     rec = memory.recommend(shape, devices, lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
                            seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
                            activation_checkpointing=cfg.activation_checkpointing,
-                           optimizer=PLANNER_OPTIMIZER[cfg.optimizer], reserve_gb=reserve, link_gbit=args.link_gbit,
+                           optimizer=PLANNER_OPTIMIZER[cfg.optimizer], reserve_gib=reserve, link_gbit=args.link_gbit,
                            model_name=str(cfg.model))
     print(rec)
     return 0

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from distlab import sharded_load
+
 LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -24,21 +26,12 @@ class CheckpointError(ValueError):
 
 
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single-file or sharded checkpoints)."""
-    # deferred: safetensors is only needed when a stage loads weights
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: model_dir / v for k, v in weight_map.items()}
-    single = model_dir / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
-                              "(pipeline inference reads safetensors checkpoints only)")
-    with safe_open(str(single), framework="pt") as f:
-        return {k: single for k in f.keys()}
+    """Tensor name -> the safetensors file holding it (single-file or sharded checkpoints), as the sharded
+    training load reads them (distlab.sharded_load); a folder without them is a CheckpointError."""
+    try:
+        return sharded_load.weight_files(Path(model_dir))
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def checkpoint_bytes(model_dir: str | Path) -> int:

@@ -68,9 +68,9 @@ def advice(config, caps: list[int], allowance: int, lora_r: int | None = 16):
     as it keeps a CUDA context's reserve on a GPU), for LoRA r=`lora_r` (None: full fine-tuning)."""
     from distlab.planning.advice import recommend  # deferred: pulls in pandas
 
-    devices = [{"name": f"dl5h{i}", "memory_gb": c / GIB} for i, c in enumerate(caps)]
+    devices = [{"name": f"dl5h{i}", "memory_gib": c / GIB} for i, c in enumerate(caps)]
     return recommend(config, devices, lora_r=lora_r, weight_bytes=4, seq_len=TRAIN["seq_len"],
-                     micro_batch=TRAIN["micro_batch_size"], activation_checkpointing=False, reserve_gb=allowance / GIB,
+                     micro_batch=TRAIN["micro_batch_size"], activation_checkpointing=False, reserve_gib=allowance / GIB,
                      link_gbit=1.0, model_name="the 28M demo model")
 
 

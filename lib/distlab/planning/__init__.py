@@ -2,6 +2,7 @@
 
 Read in this order:
 
+  cards    GPUs by their data sheets: exact part, memory (a card's "GB" are GiB), source        ch. 01, 03, 05
   shapes   what a model is made of: parameter layout and counts, LoRA adapters,
            activations per micro-batch, the studied models' published shapes                     ch. 01, 03
   plan     one planner per strategy (`PLANNERS`, `plan_memory`) and the one-device

@@ -24,9 +24,6 @@ from distlab.results.schema import MemoryBreakdown
 
 GIB = 1024**3
 FAST_LINK_GBIT = 100.0  # NVLink, InfiniBand: fast enough for tensor parallelism's per-layer all-reduces
-# The LAN-cluster seed's three GPUs (memory in GiB, as GPU makers count it).
-LAN_CLUSTER = [{"name": "RTX 5070 Ti", "memory_gb": 12}, {"name": "RTX 4070", "memory_gb": 8},
-               {"name": "RTX 3070 Ti", "memory_gb": 8}]
 
 
 def communication_bytes(config, strategy: str, world_size: int, *, lora_r: int | None = None, lora_targets=None,
@@ -177,7 +174,7 @@ class Decision:
     devices: list[str]
     capacity_gib: list[float]
     usable_gib: list[float]  # capacity minus the reserve
-    reserve_gb: float
+    reserve_gib: float
     link_gbit: float | None
     max_comm_s: float
     weight_bytes: float  # asked for
@@ -199,7 +196,7 @@ class Decision:
 
 def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | None = 16, lora_targets=None,
            weight_bytes: float = 2, seq_len: int = 2048, micro_batch: int = 1, activation_checkpointing: bool = True,
-           optimizer: str = "adamw", reserve_gb: float = 1.5, link_gbit: float | None = 1.0,
+           optimizer: str = "adamw", reserve_gib: float = 1.5, link_gbit: float | None = 1.0,
            max_comm_s: float = 10.0, model_name: str = "the model", shard_quantised: bool = True) -> Decision:
     """The LAN-cluster guide's decision tree on the planner's numbers (see `recommend`). `shard_quantised`:
     whether a quantised base may be sharded (FSDP + QLoRA); False gives the tree with one replica per GPU
@@ -207,8 +204,8 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
     if not devices:
         raise ValueError("no devices")
     n = len(devices)
-    capacity = [float(d["memory_gb"]) for d in devices]
-    usable = [max(c - reserve_gb, 0.0) for c in capacity]
+    capacity = [float(d["memory_gib"]) for d in devices]
+    usable = [max(c - reserve_gib, 0.0) for c in capacity]
     smallest = min(usable)
     targets = list(lora_targets) if lora_targets else None
     options: list[Option] = []
@@ -232,7 +229,7 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
     def decision(outcome: str, chosen: Option | None, **more) -> Decision:
         return Decision(model_name, parameter_count(model_config), lora_r, micro_batch, seq_len,
                         activation_checkpointing, [str(d.get("name", f"gpu{i}")) for i, d in enumerate(devices)],
-                        capacity, usable, reserve_gb, link_gbit, max_comm_s, weight_bytes, options, outcome, chosen,
+                        capacity, usable, reserve_gib, link_gbit, max_comm_s, weight_bytes, options, outcome, chosen,
                         **more)
 
     # 1. does one replica fit every GPU?
@@ -307,7 +304,7 @@ def explain(d: Decision) -> list[str]:
         (f"LoRA r={d.lora_r}" if d.lora_r else "full fine-tuning") + \
         f", micro-batch {d.micro_batch} x {d.seq_len} tokens" + \
         (", activation checkpointing" if d.activation_checkpointing else "") + ")"
-    lines = [f"Model: {what}. Usable memory per GPU (capacity - {d.reserve_gb} GiB reserve): " +
+    lines = [f"Model: {what}. Usable memory per GPU (capacity - {d.reserve_gib} GiB reserve): " +
              ", ".join(f"{nm} {u:.1f} GiB" for nm, u in zip(d.devices, d.usable_gib)) + "."]
 
     replica = d.option("ddp").plan
@@ -445,14 +442,14 @@ class Recommendation:
 
 def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | None = 16, lora_targets=None,
               weight_bytes: float = 2, seq_len: int = 2048, micro_batch: int = 1, activation_checkpointing: bool = True,
-              optimizer: str = "adamw", reserve_gb: float = 1.5, link_gbit: float | None = 1.0,
+              optimizer: str = "adamw", reserve_gib: float = 1.5, link_gbit: float | None = 1.0,
               max_comm_s: float = 10.0, model_name: str = "the model",
               shard_quantised: bool = True) -> Recommendation:
     """Which strategy fits `model_config` on these GPUs, with the reasoning: the LAN-cluster guide's
     decision tree, driven by the planner's numbers (`decide`, rendered by `explain`).
 
-    devices: [{"name": "RTX 5070 Ti", "memory_gb": 12}, ...] (GiB, as GPU makers count). Each GPU
-    keeps `reserve_gb` for the CUDA context, kernels' workspaces and fragmentation. Activations are
+    devices: [{"name": ..., "memory_gib": 12}, ...] (distlab.planning.cards: a card's "GB" are GiB). Each GPU
+    keeps `reserve_gib` for the CUDA context, kernels' workspaces and fragmentation. Activations are
     planned in bf16 (GPU autocast). The tree:
       1. one replica fits every GPU                -> DDP (lock-step: the smallest/slowest GPU bounds it)
       2. else, only gradients + optimizer too big  -> ZeRO-2 (weights replicated, the rest sharded)
@@ -467,7 +464,7 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
     """
     d = decide(model_config, devices, lora_r=lora_r, lora_targets=lora_targets, weight_bytes=weight_bytes,
                seq_len=seq_len, micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
-               optimizer=optimizer, reserve_gb=reserve_gb, link_gbit=link_gbit, max_comm_s=max_comm_s,
+               optimizer=optimizer, reserve_gib=reserve_gib, link_gbit=link_gbit, max_comm_s=max_comm_s,
                model_name=model_name, shard_quantised=shard_quantised)
     chosen = d.chosen
     per_device = pd.DataFrame({"device": d.devices, "capacity GiB": d.capacity_gib, "usable GiB": d.usable_gib,

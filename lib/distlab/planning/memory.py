@@ -17,7 +17,6 @@ import pandas as pd
 
 from distlab.config import LORA_TARGETS, STRATEGY_NAMES, ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
 from distlab.planning.advice import (
-    LAN_CLUSTER,
     Decision,
     Option,
     Recommendation,
@@ -26,6 +25,7 @@ from distlab.planning.advice import (
     explain,
     recommend,
 )
+from distlab.planning.cards import LAN_CLUSTER
 from distlab.planning.plan import (
     DTYPE_BYTES,
     MOMENT_BYTES,

@@ -88,6 +88,15 @@ class Strategy:
     def data_parallel_rank(self) -> int:
         return self.rank
 
+    # --- loading (distlab.prepare.prepare_run asks)
+    # Whether the strategy shards a weightless (meta) model itself and then reads only each rank's part of
+    # the weights (distlab.sharded_load.fill, from wrap_model): fsdp, tp and fsdp_tp. The others load whole.
+    loads_shards = False
+
+    def load_context(self, cfg, choice: DeviceChoice):
+        """The context a whole model is loaded in (ZeRO-3: partitioned over the ranks as it loads)."""
+        return contextlib.nullcontext()
+
     # --- model and optimizer
     def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
         """(model, optimizer, scheduler) ready to train. Strategies whose engine owns the
@@ -114,8 +123,8 @@ class Strategy:
         `kind`: "adamw" (torch), "adamw_8bit" or "paged_adamw_8bit" (bitsandbytes: blockwise 8-bit moments;
         paged state lives in CUDA unified memory, and on a CPU is ordinary host memory)."""
         params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
+        decay = [p for p in params if len(whole_shape(p)) >= 2]  # whole_shape: ZeRO-3 partitions at load
+        no_decay = [p for p in params if len(whole_shape(p)) < 2]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         if kind != "adamw":
@@ -268,6 +277,12 @@ class DistributedStrategy(Strategy):
         with self.meter.paused():  # the loop's bookkeeping, not the strategy's traffic
             dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         return int(vote.item())
+
+
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """A weight's own shape. A ZeRO-3 parameter partitioned as it loaded (strategies.zero) holds an empty tensor
+    on each rank and keeps its shape in DeepSpeed's `ds_shape`."""
+    return getattr(p, "ds_shape", p.shape)
 
 
 def trained_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -15,6 +15,10 @@ unsharded and local, and the final micro-step reduce-scatters their sum. Clippin
 nothing new: on DTensors `clip_grad_norm_` computes shard norms and all-reduces them. Checkpoints are sharded
 (`torch.distributed.checkpoint`: every rank writes its own shard); `save_model` gathers a full
 state dict on rank 0 and writes a normal adapter or model folder that `from_pretrained` loads.
+
+Loading shards too: prepare_run hands wrap_model a weightless model (on the meta device), `fully_shard` cuts
+it there, and each rank then allocates and reads from the files only its own shards (distlab.sharded_load);
+no rank ever holds the whole model. Random presets and quantised bases still load whole, then shard.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from distlab import sharded_load
 from distlab.device import DeviceChoice
 from distlab.safe_load import check_dcp
 from distlab.strategies.base import DistributedStrategy, save_consolidated
@@ -56,6 +61,7 @@ def offload_policy(cpu_offload: bool, device: torch.device | str) -> OffloadPoli
 class FSDPStrategy(DistributedStrategy):
     name = "fsdp"
     shards_checkpoint = True
+    loads_shards = True  # prepare_run hands wrap_model a weightless model (distlab.sharded_load)
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,8 +81,11 @@ class FSDPStrategy(DistributedStrategy):
         return MixedPrecisionPolicy(param_dtype=choice.autocast_dtype, reduce_dtype=torch.float32)
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        offload = offload_policy(self.cfg is not None and self.cfg.fsdp_cpu_offload, choice.device)
-        model = model.to(choice.device)
+        cpu_offload = self.cfg is not None and self.cfg.fsdp_cpu_offload
+        offload = offload_policy(cpu_offload, choice.device)
+        weightless = sharded_load.is_pending(model)  # built on meta by prepare_run: sharded before it is loaded
+        if not weightless:
+            model = model.to(choice.device)
         mp = self.mixed_precision(choice)
         reshard = self.cfg.fsdp_reshard_after_forward if self.cfg is not None else True
         for layer in decoder_layers(model):
@@ -85,6 +94,8 @@ class FSDPStrategy(DistributedStrategy):
         # tensor when tied, so it is sharded once). The root keeps its weights gathered between
         # forward and backward (FSDP2's default for the root): backward needs them first.
         fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        if weightless:  # now allocate and read this rank's shards only (offloaded shards live on the host)
+            sharded_load.fill(model, "cpu" if cpu_offload else choice.device, log_as=self.name)
         return model
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

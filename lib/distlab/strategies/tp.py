@@ -39,7 +39,8 @@ loss need no sum over ranks. A rank computes the local heads of attention, which
 head count divisible by the world size (`check_tp_degree`). With LoRA the plan splits each wrapped
 projection's frozen base layer and the adapter factor on the same side (`layer_plan`). No periodic checkpoints yet
 (`tp` refuses checkpoint_steps: a sliced optimizer state needs torch.distributed.checkpoint, as fsdp
-writes it); `save_model` gathers the full weights and rank 0 writes a from_pretrained folder.
+writes it); `save_model` gathers the full weights and rank 0 writes a from_pretrained folder. Loading is split
+too: the plan is applied to a weightless (meta) model, then each rank reads its slices (distlab.sharded_load).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from distlab import sharded_load
 from distlab.device import DeviceChoice
 from distlab.layer_split import tp_degree_problem
 from distlab.strategies.base import DistributedStrategy, save_consolidated
@@ -186,6 +188,7 @@ def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False,
 
 class TPStrategy(DistributedStrategy):
     name = "tp"
+    loads_shards = True  # prepare_run hands wrap_model a weightless model (distlab.sharded_load)
 
     def __init__(self) -> None:
         super().__init__()
@@ -218,8 +221,12 @@ class TPStrategy(DistributedStrategy):
                                      mesh_dim_names=("tp",))
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        model = model.to(choice.device)
+        weightless = sharded_load.is_pending(model)  # built on meta by prepare_run: split before it is loaded
+        if not weightless:
+            model = model.to(choice.device)
         apply_tp_plan(model, self.mesh, self.sequence_parallel, self.vocab_parallel)
+        if weightless:  # each rank reads its slices of the projections, and the whole of what stays whole
+            sharded_load.fill(model, choice.device, log_as=self.name)
         return model
 
     def loss_context(self):

@@ -10,7 +10,9 @@ train_batch_size = micro-batch x accumulation x data-parallel size.
             moments of its partition only, updates it, then all-gathers the updated weights.
   stage 3   weights are partitioned too: each layer's are all-gathered just before its forward
             and backward and released after; tensors under DeepSpeed's persistence threshold
-            (100k elements: norms, biases, LoRA adapters) stay whole on every rank.
+            (100k elements: norms, biases, LoRA adapters) stay whole on every rank. It also loads
+            partitioned (`load_context`): from_pretrained runs under deepspeed.zero.Init, so no rank
+            ever holds the whole model, not even while loading.
 
 How it maps onto the loop's hooks. DeepSpeed wants `engine.backward(loss)` then `engine.step()`
 after *every* micro-batch; step() applies the optimizer only at the accumulation boundary (from
@@ -35,12 +37,12 @@ from typing import Any
 
 import torch
 
-from distlab import compat
+from distlab import compat, sharded_load
 from distlab.data import model_inputs
 from distlab.device import DeviceChoice
 from distlab.jsonio import strict_json
 from distlab.safe_load import check_deepspeed
-from distlab.strategies.base import DistributedStrategy, cosine_with_warmup, save_consolidated
+from distlab.strategies.base import DistributedStrategy, cosine_with_warmup, save_consolidated, whole_shape
 from distlab.strategies.deepspeed_runtime import deepspeed_config, init_deepspeed, use_extensions_cache
 
 
@@ -54,6 +56,7 @@ class ZeroStrategy(DistributedStrategy):
         self.cfg = None
         self.engine = None
         self.ds_config: dict[str, Any] | None = None
+        self.loaded_partitioned = False  # stage 3: the model was built under deepspeed.zero.Init
 
     def setup(self, cfg) -> None:
         cache = use_extensions_cache()
@@ -62,15 +65,27 @@ class ZeroStrategy(DistributedStrategy):
         self.meter.watch_collectives()  # before DeepSpeed's comm backend starts: it keeps references to them
         init_deepspeed(self, cache)
 
+    def load_context(self, cfg, choice: DeviceChoice):
+        """Stage 3 loads partitioned: from_pretrained builds the model under deepspeed.zero.Init (through
+        transformers' HfDeepSpeedConfig), so no rank ever holds the whole model. Stage 2 keeps whole weights
+        on every rank anyway: it loads as one device does."""
+        if self.stage < 3:
+            return super().load_context(cfg, choice)
+        self.loaded_partitioned = True
+        return sharded_load.zero3_init(self.engine_config(cfg, choice))
+
+    def engine_config(self, cfg, choice: DeviceChoice, n_trained: int | None = None) -> dict[str, Any]:
+        return deepspeed_config(cfg, self.data_parallel_size, self.stage, bf16=choice.autocast_dtype == torch.bfloat16,
+                                on_gpu=choice.device.type == "cuda", n_trained=n_trained)
+
     def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
         import deepspeed  # deferred: DeepSpeed is optional, and its import is slow
 
-        model = model.to(choice.device)
+        if not self.loaded_partitioned:  # partitioned weights are on their device already; the engine moves the rest
+            model = model.to(choice.device)
         optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay)
-        n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.ds_config = deepspeed_config(cfg, self.data_parallel_size, self.stage,
-                                          bf16=choice.autocast_dtype == torch.bfloat16,
-                                          on_gpu=choice.device.type == "cuda", n_trained=n_trained)
+        n_trained = sum(whole_shape(p).numel() for p in model.parameters() if p.requires_grad)
+        self.ds_config = self.engine_config(cfg, choice, n_trained)
         if self.is_main:
             out = Path(cfg.output_dir)
             out.mkdir(parents=True, exist_ok=True)
