@@ -20,7 +20,8 @@ help:
 	@echo "make test-attendee - every chapter's quick profile as a workshop attendee: normal user, one core each,"
 	@echo "              no GNU timeout/ip/tc/Slurm/compiler on PATH; prints what each chapter skipped"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
-	@echo "make benchmarks - measure the book appendix's benchmark tables again (distlab vs HF Trainer vs TRL, the recipe)"
+	@echo "make benchmarks - measure the book appendix's benchmark tables again (distlab vs HF Trainer vs TRL, the recipe,"
+	@echo "              the scale rehearsal: memory per rank at load and in a step against the plan)"
 	@echo "make publish REMOTE=... - push the built site to REMOTE's gh-pages branch (ghp-import)"
 
 env: $(STAMP)
@@ -100,8 +101,9 @@ book: $(STAMP) deepspeed-op models
 
 # The appendix's benchmark tables: not a chapter's, so `make book` does not redraw them; the freshness check
 # (and so `make publish`) flags them once the library changes. Several minutes on 2 cores: run on a quiet machine.
-benchmarks: $(STAMP) models
+benchmarks: $(STAMP) models deepspeed-op
 	$(PY) -m distlab.bench.trainer_vs_hf --out figures
+	$(PY) -m distlab.bench.scale_rehearsal --out figures
 
 # Push book/_build/html to the gh-pages branch of REMOTE (a remote name, URL or bare repository path) with
 # ghp-import; refused while any committed figure is stale or was drawn from a dirty tree.

@@ -75,7 +75,7 @@ PRETRAINED_BASES = {SMOLLM2: build_smollm2}
 
 
 @contextmanager
-def _file_lock(path: Path):
+def build_lock(path: Path):
     """Serialise concurrent builds (every torchrun rank may ask for the model at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
@@ -135,7 +135,8 @@ def _cached(out_dir: Path, digest: str) -> bool:
         (out_dir / "tokenizer.json").exists())
 
 
-def _replace(tmp: Path, out_dir: Path) -> Path:
+def replace_folder(tmp: Path, out_dir: Path) -> Path:
+    """Put a finished build (tmp) where the old one was: a reader never finds a half-written folder."""
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
@@ -147,7 +148,7 @@ def build_tokenizer(out_dir: str | Path | None = None, corpus_file: str | Path =
     corpus. The random presets need only this, never the pretrained weights."""
     out_dir = Path(out_dir or MODEL_CACHE / "distlab-tokenizer")
     digest = _recipe_hash(Path(corpus_file), "tokenizer")
-    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+    with build_lock(out_dir.with_name(out_dir.name + ".lock")):
         if not force and _cached(out_dir, digest):
             return out_dir
         tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
@@ -157,7 +158,7 @@ def build_tokenizer(out_dir: str | Path | None = None, corpus_file: str | Path =
         (tmp / "distlab_build.json").write_text(strict_json(
             {"hash": digest, "recipe": BUILD_RECIPE_VERSION, "corpus": str(corpus_file),
              "vocab_size": len(tokenizer)}, indent=2))
-        return _replace(tmp, out_dir)
+        return replace_folder(tmp, out_dir)
 
 
 def _lr_at(step: int, recipe: dict) -> float:
@@ -221,7 +222,7 @@ def build_default_model(out_dir: str | Path | None = None, corpus_file: str | Pa
     recipe = {**PRETRAIN, **overrides}
     out_dir = Path(out_dir or MODEL_CACHE / "distlab-tiny-base")
     digest = _recipe_hash(Path(corpus_file), "base", shape=TINY_QWEN2, pretrain=recipe)
-    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+    with build_lock(out_dir.with_name(out_dir.name + ".lock")):
         if not force and _cached(out_dir, digest):
             return out_dir
         started = time.perf_counter()
@@ -248,7 +249,7 @@ def build_default_model(out_dir: str | Path | None = None, corpus_file: str | Pa
              "parameters": sum(p.numel() for p in model.parameters()), "vocab_size": len(tokenizer),
              "final_loss": sum(losses[-20:]) / len(losses[-20:]),
              "build_seconds": round(time.perf_counter() - started, 1)}, indent=2))
-        return _replace(tmp, out_dir)
+        return replace_folder(tmp, out_dir)
 
 
 def resolve_model(model: str | Path | None) -> str:
@@ -266,7 +267,7 @@ def resolve_model(model: str | Path | None) -> str:
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-def _quiet_hf() -> None:
+def quiet_hf() -> None:
     """Per-load progress bars from transformers add nothing but noise to notebook outputs, and
     peft calls a transformers method that transformers 5 deprecates (not ours to fix)."""
 
@@ -313,7 +314,7 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
     from_pretrained loads, so a random preset is first written to a folder once (`random_preset_folder`)."""
     from transformers import AutoModelForCausalLM  # deferred: transformers is slow to import
 
-    _quiet_hf()
+    quiet_hf()
     attn_implementation = resolve(attn_implementation)
     if model in RANDOM_PRESETS and quantization is None:
         config = qwen2_config(load_tokenizer(None), **RANDOM_PRESETS[model])
@@ -346,7 +347,7 @@ def random_preset_folder(name: str, seed: int = 0) -> str:
     load reads: bitsandbytes quantises in from_pretrained). Nothing is downloaded."""
     folder = MODEL_CACHE / f"random-{name}-seed{seed}"
     spec = {"preset": RANDOM_PRESETS[name], "seed": seed, "recipe": 1}
-    with _file_lock(folder.with_name(folder.name + ".lock")):
+    with build_lock(folder.with_name(folder.name + ".lock")):
         stamp = folder / "distlab_build.json"
         if stamp.exists() and json.loads(stamp.read_text()) == spec:
             return str(folder)
@@ -361,7 +362,7 @@ def random_preset_folder(name: str, seed: int = 0) -> str:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "distlab_build.json").write_text(strict_json(spec))
-        return _replace(tmp, folder)
+        return replace_folder(tmp, folder)
 
 
 def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
@@ -396,17 +397,17 @@ def balanced_bench_model(intermediate_size: int = 4096, layers: int = 4) -> str:
     return str(folder)
 
 
-def _numel(p) -> int:
-    """A parameter's whole size: ZeRO-3 partitions parameters as they load (deepspeed.zero.Init), leaving each
-    rank an empty tensor with the whole count in `ds_numel`."""
-    return getattr(p, "ds_numel", p.numel())
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """A weight's own shape. A ZeRO-3 parameter partitioned as it loaded (deepspeed.zero.Init, strategies.zero)
+    holds an empty tensor on each rank and keeps its shape in DeepSpeed's `ds_shape`."""
+    return getattr(p, "ds_shape", p.shape)
 
 
 def count_parameters(model) -> tuple[int, int]:
     """(total, trainable) parameter counts; a 4-bit weight counts its weights, not the bytes they are packed in."""
-    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None else _numel(p)
-                for p in model.parameters())
-    trainable = sum(_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None
+                else whole_shape(p).numel() for p in model.parameters())
+    trainable = sum(whole_shape(p).numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
 
 

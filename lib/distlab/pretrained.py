@@ -63,12 +63,12 @@ def build_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Pat
     import torch  # deferred: torch and transformers are slow to import, and only a build needs them
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distlab.models import _file_lock, _quiet_hf  # deferred: models imports this module
+    from distlab.models import build_lock, quiet_hf, replace_folder  # deferred: models imports this module
 
     source = gguf_path()
     out_dir = Path(out_dir or MODEL_CACHE / SMOLLM2)
     stamp = out_dir / "distlab_build.json"
-    with _file_lock(out_dir.with_name(out_dir.name + ".lock")):
+    with build_lock(out_dir.with_name(out_dir.name + ".lock")):
         # the digest of a 98 MB file takes a fraction of a second; keyed on size and mtime it would miss a
         # reinstall of another build of the same version
         digest = _file_digest(source)
@@ -77,7 +77,7 @@ def build_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Pat
             if built.get("gguf_sha256") == digest and built.get("recipe") == RECIPE:
                 return out_dir
         started = time.perf_counter()
-        _quiet_hf()
+        quiet_hf()
         folder, name = str(source.parent), source.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -100,6 +100,4 @@ def build_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Pat
             {"recipe": RECIPE, "package": f"{PACKAGE}=={importlib.metadata.version(PACKAGE)}", "gguf_file": GGUF_FILE,
              "gguf_sha256": digest, "parameters": sum(p.numel() for p in model.parameters()),
              "vocab_size": len(tokenizer), "build_seconds": round(time.perf_counter() - started, 1)}, indent=2))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.rename(out_dir)
-        return out_dir
+        return replace_folder(tmp, out_dir)

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from distlab.attention import resolve
-from distlab.models import RANDOM_PRESETS, _quiet_hf, resolve_model
+from distlab.models import RANDOM_PRESETS, quiet_hf, resolve_model
 
 
 def whole_model_reason(cfg) -> str | None:
@@ -82,7 +82,7 @@ def empty_model(model: str | None, dtype: torch.dtype, attn_implementation: str)
     # deferred: transformers is slow to import
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _quiet_hf()  # as load_model: no progress bars, no deprecation notices that are not ours to fix
+    quiet_hf()  # as load_model: no progress bars, no deprecation notices that are not ours to fix
     config = AutoConfig.from_pretrained(model_folder(model), trust_remote_code=False)
     attn_implementation = resolve(attn_implementation)
     with torch.device("meta"):  # draws nothing from the random generator, allocates nothing

@@ -7,6 +7,8 @@ never absolute targets. Each is `python -m distlab.bench.<name>` with `--help`.
   ddp_scaling         2-rank DDP efficiency against 1 rank                                              ch. 02
   memory_recipes      the QLoRA ladder (bf16 LoRA, nf4 base, 8-bit AdamW, checkpointing): bytes measured   ch. 01
                       vs planned per component, tokens/s against bf16 LoRA
+  scale_rehearsal     every strategy for 2 steps of the 0.5B shape on 2 CPU ranks: each rank's memory at  ch. 03
+                      load and in a step against the planner's (distlab.planning.load), not timed
   tensor_parallel     2-rank tensor parallelism (tp) against one device, full fine-tuning               ch. 07
   pipeline_bubble     the measured pipeline bubble vs its formula, 1F1B and interleaved 1F1B              ch. 04
   pipeline_study      the pipeline-vs-FSDP study's effective-token sweep toward ~100k tokens per step     ch. 04

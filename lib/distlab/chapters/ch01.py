@@ -279,16 +279,23 @@ def activation_memory_by_micro_batch(cfg: TrainConfig, micro_batch_sizes) -> pd.
 def plan_7b_lora():
     """The memory estimate of Llama-2-7B + LoRA r=16 on q,v at micro-batch 1 x 2048 tokens, weights in
     bf16 or 4-bit, activation checkpointing off or on, as a stacked bar chart against the LAN cluster's
-    12 GB and 8 GB laptop GPUs. Returns (figure, table in GiB)."""
-    rows = {}
+    12 GB and 8 GB laptop GPUs, with what the GPU holds while the model loads marked on each bar
+    (memory.plan_load). Returns (figure, table in GiB: the step's components, its total and "while loading")."""
+    rows, loading = {}, {}
     for bits, label in ((16, "bf16"), (4, "4-bit")):
         for ckpt in (False, True):
-            rows[f"{label}, ckpt {'on' if ckpt else 'off'}"] = memory.estimate_training_memory(
-                memory.LLAMA2_7B, weight_bytes=bits / 8, lora_r=16, lora_targets=["q_proj", "v_proj"],
-                trainable_bytes=4, micro_batch=1, seq_len=2048, activation_bytes=2, activation_checkpointing=ckpt)
+            run = dict(weight_bytes=bits / 8, lora_r=16, lora_targets=["q_proj", "v_proj"], trainable_bytes=4,
+                       micro_batch=1, seq_len=2048, activation_bytes=2, activation_checkpointing=ckpt)
+            name = f"{label}, ckpt {'on' if ckpt else 'off'}"
+            rows[name] = memory.estimate_training_memory(memory.LLAMA2_7B, **run)
+            loading[name] = memory.plan_load(memory.LLAMA2_7B, **run).device / 2**30
     plan = memory.breakdown_table(rows, unit=2**30, unit_name="GiB").T
     fig, ax = plt.subplots(figsize=(7.5, 3.5))
     plan.drop(columns="total").plot.barh(stacked=True, ax=ax)
+    # while the model loads: the whole model, plus one bf16 tensor that bitsandbytes is about to pack
+    ax.plot(list(loading.values()), range(len(loading)), "kx", ms=7, label="while loading")
+    ax.legend(fontsize=8)
+    plan["while loading"] = pd.Series(loading)
     big, small, _ = cards.LAN_CARDS  # the 3070 Ti Laptop GPU has the 4070's 8 GiB
     for x, name, side in ((big.memory_gib, big.name.removeprefix("GeForce "), "left"),
                           (small.memory_gib, "RTX 4070 / 3070 Ti Laptop GPU", "right")):

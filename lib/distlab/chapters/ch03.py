@@ -202,8 +202,9 @@ SETUPS = (("LoRA, bf16 weights", dict(lora_r=16, weight_bytes=2)),
 
 def fit_table(models: Mapping[str, object], cards: Sequence[Mapping], world_size: int = 3) -> pd.DataFrame:
     """Planned GiB per GPU for each model, setup and strategy on `world_size` ranks (bf16 activations,
-    checkpointing, 1 x 2048 tokens), and which cards it fits after the recommender's reserve. Quantised
-    base weights run DDP (one replica per GPU, as QLoRA); a 4-bit base also FSDP (FSDP + QLoRA)."""
+    checkpointing, 1 x 2048 tokens), in a step and while the model loads (distlab.planning.load), and which
+    cards the larger of the two fits after the recommender's reserve. Quantised base weights run DDP (one
+    replica per GPU, as QLoRA); a 4-bit base also FSDP (FSDP + QLoRA)."""
     targets = {"Llama-2-7B": ["q_proj", "v_proj"]}  # the guide's LoRA targets for Llama; all projections otherwise
     rows = []
     for name, shape in models.items():
@@ -211,18 +212,22 @@ def fit_table(models: Mapping[str, object], cards: Sequence[Mapping], world_size
             for s in ("ddp", "zero2", "fsdp", "zero3"):
                 if kw["weight_bytes"] < 2 and s not in ("ddp", "fsdp" if kw["weight_bytes"] == 0.5 else "ddp"):
                     continue
-                b = memory.plan_memory(shape, strategy=s, world_size=world_size, micro_batch=1, seq_len=2048,
-                                       activation_bytes=2, activation_checkpointing=True,
-                                       lora_targets=targets.get(name), **kw)
-                fits = [c["name"] for c in cards if b.total / GIB <= c["memory_gib"] - RESERVE_GIB]
-                rows.append({"model": name, "setup": setup, "strategy": s, "planned_gib": b.total / GIB,
+                run = dict(strategy=s, world_size=world_size, micro_batch=1, seq_len=2048, activation_bytes=2,
+                           activation_checkpointing=True, lora_targets=targets.get(name), **kw)
+                step, load = memory.plan_memory(shape, **run), memory.plan_load(shape, **run)
+                peak = max(step.total, load.device) / GIB
+                fits = [c["name"] for c in cards if peak <= c["memory_gib"] - RESERVE_GIB]
+                rows.append({"model": name, "setup": setup, "strategy": s, "planned_gib": step.total / GIB,
+                             "load_gib": load.device / GIB, "peak_gib": peak,
                              "fits": "every card" if len(fits) == len(cards) else ", ".join(fits) or "no card"})
     return pd.DataFrame(rows)
 
 
 def fit_grid(fit: pd.DataFrame) -> pd.DataFrame:
-    """fit_table as a grid: (model, setup) x strategy, each cell 'GiB: cards'."""
-    shown = fit.assign(cell=[f"{g:.1f} GiB: {f}" for g, f in zip(fit.planned_gib, fit.fits)])
+    """fit_table as a grid: (model, setup) x strategy, each cell 'GiB: cards' (the step's GiB, and the load's
+    where loading needs more)."""
+    shown = fit.assign(cell=[f"{g:.1f} GiB" + (f", load {ld:.1f}" if ld > g else "") + f": {f}"
+                             for g, ld, f in zip(fit.planned_gib, fit.load_gib, fit.fits)])
     return (shown.pivot_table(index=["model", "setup"], columns="strategy", values="cell", aggfunc="first", sort=False)
             .reindex(columns=["ddp", "zero2", "fsdp", "zero3"]).fillna("-"))
 
@@ -394,8 +399,11 @@ def advice_before_after(shape, cards: Sequence[Mapping], model_name: str, **kw) 
     for when, shard in (("before: a quantised base runs one replica per GPU", False),
                         ("after: FSDP may shard a 4-bit base", True)):
         rec = memory.recommend(shape, cards, model_name=model_name, shard_quantised=shard, **kw)
+        tried = [o for o in rec.decision.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
         rows.append({"advice": when, "recommended": rec.label,
-                     "GiB per GPU": round(rec.plan.total / GIB, 2) if rec.plan is not None else float("nan"),
+                     "GiB per GPU": round(rec.decision.chosen.peak / GIB, 2) if rec.plan is not None else float("nan"),
+                     "FSDP + QLoRA, step GiB": round(tried[0].plan.total / GIB, 2) if tried else float("nan"),
+                     "FSDP + QLoRA, load GiB": round(tried[0].load.device / GIB, 2) if tried else float("nan"),
                      "smallest usable GiB": round(min(c["memory_gib"] for c in cards) - RESERVE_GIB, 2),
                      "last step of the reasoning": rec.reasoning[-1]})
     return pd.DataFrame(rows).set_index("advice")

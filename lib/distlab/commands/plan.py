@@ -21,6 +21,7 @@ from distlab import markdown
 from distlab.cli import UsageError, finite_float, run_main
 from distlab.config import load_config, parse_override
 from distlab.planning import memory
+from distlab.planning.load import plan_load
 from distlab.planning.shapes import SEED_MODEL_IDS
 
 # TrainConfig.optimizer -> the planner's optimizer (paging moves the state, it does not shrink it)
@@ -57,15 +58,17 @@ def parse_devices(text: str | None) -> list[dict]:
 
 
 def config_plan(cfg, shape: dict, world_size: int):
-    """What one rank holds with the config's settings (the planner's per-component breakdown): a DDP replica,
-    or with strategy=fsdp (FSDP + QLoRA for a 4-bit base) one rank's shards."""
+    """What one rank holds with the config's settings, in a step (the planner's per-component breakdown) and
+    while the model loads (distlab.planning.load): a DDP replica, or with strategy=fsdp (FSDP + QLoRA for a
+    4-bit base) one rank's shards. Returns (step plan, load peak)."""
     strategy = "fsdp" if cfg.strategy == "fsdp" else ("ddp" if world_size > 1 else "single")
-    return memory.plan_memory(
-        shape, strategy=strategy, world_size=world_size,
-        dtype=PLANNER_DTYPE[cfg.quantization], weight_bytes=None if cfg.quantization != "none" else 2,
-        lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets, micro_batch=cfg.micro_batch_size,
-        seq_len=cfg.seq_len, activation_checkpointing=cfg.activation_checkpointing,
-        optimizer=PLANNER_OPTIMIZER[cfg.optimizer], activation_bytes=2, double_quant=cfg.double_quant)
+    settings = dict(dtype=PLANNER_DTYPE[cfg.quantization], weight_bytes=None if cfg.quantization != "none" else 2,
+                    lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
+                    micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
+                    activation_checkpointing=cfg.activation_checkpointing,
+                    optimizer=PLANNER_OPTIMIZER[cfg.optimizer], activation_bytes=2, double_quant=cfg.double_quant)
+    return (memory.plan_memory(shape, strategy=strategy, world_size=world_size, **settings),
+            plan_load(shape, strategy=strategy, world_size=world_size, **settings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, dict(parse_override(s) for s in args.set))
     devices = parse_devices(args.devices)
     shape = model_shape_of(cfg.model)
-    plan = config_plan(cfg, shape, len(devices))
+    plan, load = config_plan(cfg, shape, len(devices))
+    peak = max(plan.total, load.device)  # a rank must fit both: loading and a step
     gib = memory.GIB
     print(f"plan: {cfg.model}, quantization={cfg.quantization}, LoRA r={cfg.lora_r} on {','.join(cfg.lora_targets)}, "
           f"optimizer={cfg.optimizer}, micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens, activation "
@@ -86,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
           (f"sharded by FSDP over {len(devices)} GPUs" if cfg.strategy == "fsdp" else
            f"one replica per GPU ({len(devices)} GPUs)"))
     print(markdown.table(memory.breakdown_table({"per rank": plan}, unit=gib, unit_name="GiB").round(3).reset_index()))
+    print(f"while the model loads ({load.path}): {load.device / gib:.2f} GiB per GPU, {load.host / gib:.2f} GiB of "
+          f"host memory per rank; a step: {plan.total / gib:.2f} GiB per GPU")
     reserve = 1.5
     for d in devices:
         usable = d["memory_gib"] - reserve
-        verdict = "fits" if plan.total / gib <= usable else "does NOT fit"
+        verdict = "fits" if peak / gib <= usable else "does NOT fit"
         print(f"  {d['name']}: {usable:.1f} GiB usable ({d['memory_gib']:g} - {reserve} reserve): "
-              f"{plan.total / gib:.2f} GiB {verdict}")
+              f"{peak / gib:.2f} GiB {verdict}" + (" (the load is the peak)" if load.device > plan.total else ""))
     rec = memory.recommend(shape, devices, lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
                            seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
                            activation_checkpointing=cfg.activation_checkpointing,

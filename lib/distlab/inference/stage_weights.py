@@ -97,13 +97,13 @@ def random_checkpoint(name: str, seed: int = 0, **shape) -> Path:
     tokenizer, saved once under build/models/pipeline-<name>: a checkpoint the stages can read part of,
     for tests and throughput runs that need no trained weights."""
     # deferred: the model builder pulls in transformers, which is slow to import
-    from distlab.models import MODEL_CACHE, TINY_QWEN2, _file_lock, load_tokenizer, qwen2_config
+    from distlab.models import MODEL_CACHE, TINY_QWEN2, build_lock, load_tokenizer, qwen2_config
 
     shape = {**TINY_QWEN2, **shape}
     out = MODEL_CACHE / f"pipeline-{name}"
     stamp = out / "distlab_random.json"
     recipe = json.dumps({"shape": shape, "seed": seed}, sort_keys=True)
-    with _file_lock(out.with_name(out.name + ".lock")):
+    with build_lock(out.with_name(out.name + ".lock")):
         if stamp.is_file() and stamp.read_text() == recipe and (out / "model.safetensors").is_file():
             return out
         from transformers import Qwen2ForCausalLM  # deferred: transformers is slow to import

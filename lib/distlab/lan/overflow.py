@@ -57,10 +57,10 @@ def model_config(model_dir: Path):
 
 
 def planned_bytes(config, strategy: str, lora: bool, world: int = 2) -> int:
-    from distlab.planning.plan import plan_memory  # deferred: the planner pulls in pandas
+    from distlab.planning.load import peak_bytes  # deferred: the planner pulls in pandas
 
-    return int(plan_memory(config, strategy=strategy, world_size=world, dtype="fp32", lora_r=16 if lora else None,
-                           micro_batch=TRAIN["micro_batch_size"], seq_len=TRAIN["seq_len"]).total)
+    return int(peak_bytes(config, strategy=strategy, world_size=world, dtype="fp32", lora_r=16 if lora else None,
+                          micro_batch=TRAIN["micro_batch_size"], seq_len=TRAIN["seq_len"]))
 
 
 def advice(config, caps: list[int], allowance: int, lora_r: int | None = 16):
@@ -132,7 +132,7 @@ def overflow_failure(placement: host_runs.Placement, *, steps: int = 3, allowanc
             "full_node_exit": [r.returncode for r in failed.results], "error_line": rank_exit_line(failed.lines),
             "cgroup_line": lines[-1], "full_tail": failed.lines[-30:], "diagnosis": diagnose(lines), "oom": seen,
             "advice": rec.label, "advice_reasoning": rec.reasoning, "advice_strategy": rec.strategy,
-            "advice_planned_bytes": int(rec.plan.total) if rec.plan else None}
+            "advice_planned_bytes": int(rec.decision.chosen.peak) if rec.plan else None}
 
 
 def rerun_with_advice(placement: host_runs.Placement, r: dict[str, Any], *, echo=False, timeout_s: int = 180) -> dict:

@@ -7,6 +7,9 @@ Read in this order:
            activations per micro-batch, the studied models' published shapes                     ch. 01, 03
   plan     one planner per strategy (`PLANNERS`, `plan_memory`) and the one-device
            case (`estimate_training_memory`)                                                  ch. 01, 03
+  load     what a rank holds while the model loads, by how its strategy loads (whole, its stage, its
+           slices, partitioned), device and host (`plan_load`); `peak_bytes`, the larger of loading
+           and a step, is what every "fits" verdict compares                                   ch. 03, 05
   advice   communication per step (the planner's `communication_bytes`; `step_bytes_sent` for one
            step of ddp, fsdp, tp, tp + sequence parallelism as they run) and the LAN-cluster
            guide's decision tree (`decide` -> `explain`, both in `recommend`)                  ch. 03, 07

@@ -18,6 +18,7 @@ import pandas as pd
 
 from distlab.config import PIPELINE_STRATEGIES
 from distlab.layer_split import tp_degree_problem
+from distlab.planning.load import LoadPeak, plan_load
 from distlab.planning.plan import TP_ROWWISE, TP_SPLIT, plan_memory, tp_sliced
 from distlab.planning.shapes import config_value, parameter_count, parameter_layout
 from distlab.results.schema import MemoryBreakdown
@@ -135,10 +136,16 @@ class Option:
     strategy: str
     weight_bytes: float  # of the base weights
     offload_optimizer: bool
-    plan: MemoryBreakdown  # per rank
+    plan: MemoryBreakdown  # per rank, in a step
+    load: LoadPeak  # per rank, while the model loads (distlab.planning.load)
     comm_bytes: float  # each rank sends per step (weights travel in at least bf16)
     comm_s: float  # at the link speed; nan without one
-    fits_every_gpu: bool
+    fits_every_gpu: bool  # its peak (the larger of loading and a step) fits the smallest usable memory
+
+    @property
+    def peak(self) -> float:
+        """Bytes per rank at the worst moment of the run: loading or a step, whichever needs more."""
+        return max(self.plan.total, self.load.device)
 
     @property
     def setup(self) -> str:
@@ -213,16 +220,18 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
     def consider(strategy: str, wb: float, offload: bool = False) -> Option:
         # bitsandbytes' 8-bit AdamW updates whole tensors: a sharded strategy keeps torch's AdamW
         opt = optimizer if strategy in ("single", "ddp") else "adamw"
-        plan = plan_memory(model_config, strategy=strategy, world_size=n, weight_bytes=wb, lora_r=lora_r,
-                           lora_targets=targets, micro_batch=micro_batch, seq_len=seq_len,
-                           activation_checkpointing=activation_checkpointing, activation_bytes=2,
-                           optimizer=opt, offload_optimizer=offload)
+        settings = dict(weight_bytes=wb, lora_r=lora_r, lora_targets=targets, micro_batch=micro_batch,
+                        seq_len=seq_len, activation_checkpointing=activation_checkpointing, activation_bytes=2,
+                        optimizer=opt, offload_optimizer=offload)
+        plan = plan_memory(model_config, strategy=strategy, world_size=n, **settings)
+        load = plan_load(model_config, strategy=strategy, world_size=n, **settings)
         # weights travel in at least bf16, except a 4-bit base under FSDP: it all-gathers the packed bytes
         travel = wb if (strategy == "fsdp" and wb < 2) else max(wb, 2)
         comm = communication_bytes(model_config, strategy, n, lora_r=lora_r, lora_targets=targets,
                                    weight_bytes=travel, grad_bytes=4, tokens=micro_batch * seq_len)
-        option = Option(strategy, wb, offload, plan, comm, comm / (link_gbit * 1e9 / 8) if link_gbit else float("nan"),
-                        _gib(plan.total) <= smallest)
+        option = Option(strategy, wb, offload, plan, load, comm,
+                        comm / (link_gbit * 1e9 / 8) if link_gbit else float("nan"),
+                        _gib(max(plan.total, load.device)) <= smallest)
         options.append(option)
         return option
 
@@ -234,7 +243,7 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
 
     # 1. does one replica fit every GPU?
     replica = consider("ddp", weight_bytes)
-    if all(_gib(replica.plan.total) <= u for u in usable):
+    if all(_gib(replica.peak) <= u for u in usable):
         return decision("replica_fits", replica)
     if weight_bytes < 2:  # a quantised base was asked for and its replica does not fit: ZeRO cannot shard it
         return quantised_fallback(consider, decision, lora_r, weight_bytes, shard_quantised)
@@ -246,7 +255,7 @@ def decide(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int | 
     # (FSDP2's root keeps the embedding and LM head from forward to backward, ZeRO-3 keeps tensors
     # under 100k elements whole).
     fsdp, zero3 = consider("fsdp", weight_bytes), consider("zero3", weight_bytes)
-    sharded = fsdp if fsdp.plan.total <= zero3.plan.total else zero3
+    sharded = fsdp if fsdp.peak <= zero3.peak else zero3
     quantised = None  # the first quantisation of the base weights (LoRA only) whose replica fits
     if lora_r and weight_bytes > 0.5:
         for wb in (1, 0.5):
@@ -322,7 +331,7 @@ def explain(d: Decision) -> list[str]:
                          "lock-step, so the slowest GPU sets the pace and the smallest one the micro-batch (every "
                          "rank runs the same); expect less than a linear speed-up.")
         return lines
-    fits = [nm for nm, u in zip(d.devices, d.usable_gib) if _gib(replica.total) <= u]
+    fits = [nm for nm, u in zip(d.devices, d.usable_gib) if _gib(d.option("ddp").peak) <= u]
     lines.append("   Only on " + ", ".join(fits) + ": DDP needs it on every GPU." if fits
                  else "   NO: not even on the largest GPU.")
 
@@ -333,66 +342,81 @@ def explain(d: Decision) -> list[str]:
                  "activations on every GPU).")
     if d.outcome == "zero2_fits":
         lines.append(f"   ZeRO-2 (weights replicated, gradients + optimizer sharded) needs "
-                     f"{_gib(d.chosen.plan.total):.2f} GiB per GPU <= {smallest:.1f} -> ZeRO-2, with DDP's "
+                     f"{_needs(d.chosen)} per GPU <= {smallest:.1f} -> ZeRO-2, with DDP's "
                      "communication volume.")
         return lines
 
     fsdp, zero3 = d.option("fsdp"), d.option("zero3")
     sharded = fsdp if d.sharded == "fsdp" else zero3
     if d.outcome in ("quantise_for_link", "sharded_fits"):
-        lines.append(f"   YES: FSDP / ZeRO-3 give each GPU 1/{n} of everything: FSDP {_gib(fsdp.plan.total):.2f} GiB, "
-                     f"ZeRO-3 {_gib(zero3.plan.total):.2f} GiB per GPU (incl. gather buffers) <= {smallest:.1f} GiB "
+        lines.append(f"   YES: FSDP / ZeRO-3 give each GPU 1/{n} of everything: FSDP {_needs(fsdp)}, "
+                     f"ZeRO-3 {_needs(zero3)} per GPU (incl. gather buffers) <= {smallest:.1f} GiB "
                      "on the smallest.")
         if d.outcome == "quantise_for_link":
             q = d.chosen
             lines.append("3. But sharding all-gathers the weights twice per step: "
                          f"{d.sharded_comm_bytes / 1e9:.1f} GB, {fsdp.comm_s:.0f} s per step at {link} Gbit/s "
                          f"(limit {d.max_comm_s:g} s). With "
-                         f"{_bits(q.weight_bytes)} base weights a replica needs {_gib(q.plan.total):.2f} GiB and fits "
+                         f"{_bits(q.weight_bytes)} base weights a replica needs {_needs(q)} and fits "
                          "every GPU: quantise and use DDP, which only all-reduces the adapters' gradients "
                          f"({q.comm_s:.2f} s per step).")
         else:
             lines.append(f"3. Communication: {fsdp.comm_s:.1f} s per step at {link} Gbit/s for the all-gathers -> "
                          f"{'FSDP' if d.sharded == 'fsdp' else 'DeepSpeed ZeRO-3'}, the smaller of the two here.")
         return lines
-    lines.append(f"   NO: even sharded evenly, each GPU would need {_gib(sharded.plan.total):.2f} GiB "
+    lines.append(f"   NO: even sharded evenly, each GPU would need {_needs(sharded)} "
                  f"({'FSDP' if d.sharded == 'fsdp' else 'ZeRO-3'}) > {smallest:.1f} GiB.")
 
     tried_tp = [o for o in d.options if o.strategy == "fsdp_tp"]
     if d.outcome == "tp_fits":
         lines.append(f"3. The link is fast ({link:g} Gbit/s): tensor parallelism in pairs of GPUs, FSDP across the "
-                     f"{n // 2} pairs (fsdp_tp), needs {_gib(d.chosen.plan.total):.2f} GiB per GPU <= {smallest:.1f}: "
+                     f"{n // 2} pairs (fsdp_tp), needs {_needs(d.chosen)} per GPU <= {smallest:.1f}: "
                      "each GPU gathers half a layer, not a whole one, and keeps only its heads' and FFN slice's "
                      f"activations. With the activation all-reduces of every layer and micro-batch it sends "
                      f"{d.chosen.comm_bytes / 1e9:.1f} GB per step: keep each pair on one node.")
         return lines
     if tried_tp:
-        lines.append(f"   FSDP x TP (pairs, fast link) would need {_gib(tried_tp[0].plan.total):.2f} GiB: too much "
+        lines.append(f"   FSDP x TP (pairs, fast link) would need {_needs(tried_tp[0])}: too much "
                      "too.")
     if d.outcome == "quantise":
         q = d.chosen
         lines.append(f"4. Quantise more aggressively: with {_bits(q.weight_bytes)} base weights (LoRA on top) a "
-                     f"replica needs {_gib(q.plan.total):.2f} GiB -> DDP with {_bits(q.weight_bytes)} weights.")
+                     f"replica needs {_needs(q)} -> DDP with {_bits(q.weight_bytes)} weights.")
     elif d.outcome == "quantise_and_shard":
         lines.append("4. " + _sharded_4bit_line(d))
     elif d.outcome == "offload":
         lines.append(f"4. Offload the optimizer state to CPU memory (ZeRO-3 + offload_optimizer): "
-                     f"{_gib(d.chosen.plan.total):.2f} GiB per GPU; each step then waits for the CPU update.")
+                     f"{_needs(d.chosen)} per GPU; each step then waits for the CPU update.")
     else:
         tried = [o for o in d.options if o.strategy == "ddp" and o.weight_bytes < d.weight_bytes]
-        smallest_replica = f" (a {_bits(tried[-1].weight_bytes)} replica needs {_gib(tried[-1].plan.total):.2f} GiB)" \
+        smallest_replica = f" (a {_bits(tried[-1].weight_bytes)} replica needs {_needs(tried[-1])}" \
             if tried else ""
+        sharded_4bit = [o for o in d.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
+        if tried:
+            smallest_replica += (f"; a 4-bit base sharded by FSDP needs {_needs(sharded_4bit[0])})" if sharded_4bit
+                                 else ")")
         lines.append(f"4. Nothing fits{smallest_replica}: " + ("use shorter sequences, more GPUs or a smaller model."
                      if tried else "use LoRA with quantised weights, shorter sequences, activation checkpointing, "
                      "more GPUs or a smaller model."))
     return lines
 
 
+def _needs(o: Option) -> str:
+    """What an option needs per GPU: its peak, and when loading needs more than a step, both and why."""
+    if o.load.device <= o.plan.total:
+        return f"{_gib(o.plan.total):.2f} GiB"
+    why = {"whole": "every GPU loads the whole model before it is divided" + (
+               ": bitsandbytes quantises it inside from_pretrained" if o.weight_bytes < 2 else ""),
+           "partitioned": "one tensor is gathered whole to be filled", "stage": "its stage, whole",
+           "slices": "its slices"}[o.load.path]
+    return f"{_gib(o.load.device):.2f} GiB while the model loads ({why}; a step needs {_gib(o.plan.total):.2f} GiB)"
+
+
 def _sharded_4bit_line(d: Decision) -> str:
     q = d.chosen
     return (f"Shard a 4-bit base (FSDP + QLoRA): FSDP cuts each 4-bit weight's packed values (its per-block "
             f"constants stay whole on every GPU), the adapters, their gradients and optimizer state over "
-            f"{len(d.devices)} GPUs: {_gib(q.plan.total):.2f} GiB per GPU <= {d.smallest_usable:.1f} -> FSDP with "
+            f"{len(d.devices)} GPUs: {_needs(q)} per GPU <= {d.smallest_usable:.1f} -> FSDP with "
             f"4-bit weights. Each step all-gathers the packed layers: {q.comm_bytes / 1e9:.2f} GB "
             f"({q.comm_s:.1f} s at {d.link_gbit} Gbit/s).")
 
@@ -402,14 +426,14 @@ def _quantised_fallback_lines(d: Decision) -> list[str]:
     replica4 = [o for o in d.options if (o.strategy, o.weight_bytes) == ("ddp", 0.5) and d.weight_bytes > 0.5]
     if replica4:
         r = replica4[0]
-        lines.append(f"3. A 4-bit replica needs {_gib(r.plan.total):.2f} GiB" +
+        lines.append(f"3. A 4-bit replica needs {_needs(r)}" +
                      (" -> DDP with 4-bit weights." if d.outcome == "quantise" else ": too much."))
     if d.outcome == "quantise_and_shard":
         lines.append("4. " + _sharded_4bit_line(d))
     elif d.outcome == "nothing_fits":
         tried = [o for o in d.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
         lines.append(f"4. Nothing fits: a 4-bit base sharded over {len(d.devices)} GPUs needs "
-                     f"{_gib(tried[0].plan.total):.2f} GiB per GPU." if tried else
+                     f"{_needs(tried[0])} per GPU." if tried else
                      "4. Nothing fits with one replica per GPU: shard the 4-bit base (FSDP + QLoRA), use shorter "
                      "sequences, more GPUs or a smaller model.")
     return lines
@@ -468,12 +492,12 @@ def recommend(model_config, devices: Sequence[Mapping[str, Any]], *, lora_r: int
                model_name=model_name, shard_quantised=shard_quantised)
     chosen = d.chosen
     per_device = pd.DataFrame({"device": d.devices, "capacity GiB": d.capacity_gib, "usable GiB": d.usable_gib,
-                               "predicted GiB": [round(_gib(chosen.plan.total), 2) if chosen else float("nan")]
+                               "predicted GiB": [round(_gib(chosen.peak), 2) if chosen else float("nan")]
                                * len(d.devices)})
     per_device["headroom GiB"] = (per_device["usable GiB"] - per_device["predicted GiB"]).round(2)
     per_device["fits"] = per_device["headroom GiB"] >= 0
     candidates = pd.DataFrame([{
-        "setup": o.setup, "per-rank GiB": round(_gib(o.plan.total), 2),
+        "setup": o.setup, "per-rank GiB": round(_gib(o.plan.total), 2), "load GiB": round(_gib(o.load.device), 2),
         "weights GiB": round(_gib(o.plan.weights + o.plan.adapter_weights), 2),
         "activations GiB": round(_gib(o.plan.activations), 2), "fits every GPU": o.fits_every_gpu,
         "comm GB/step": round(o.comm_bytes / 1e9, 3), f"comm s/step @ {link_gbit} Gbit/s": round(o.comm_s, 2),

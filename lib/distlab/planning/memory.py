@@ -2,7 +2,8 @@
 
 Chapter 01 estimates one device (`estimate_training_memory`, the studied models' shapes) and puts the
 estimate next to a measured step (distlab.chapters.ch01.measure_training_memory) in `breakdown_table`.
-Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`; drawn by distlab.chapters.ch03), the
+Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`; drawn by distlab.chapters.ch03), what a
+rank holds while the model loads (`plan_load`; a run fits where `peak_bytes`, the larger, does), the
 traffic per step (`communication_bytes`) and the LAN-cluster guide's choice (`recommend`).
 
 This module gathers those names from the planning modules (shapes, plan, advice), builds the
@@ -26,6 +27,7 @@ from distlab.planning.advice import (
     recommend,
 )
 from distlab.planning.cards import LAN_CLUSTER
+from distlab.planning.load import LoadPeak, load_path, peak_bytes, plan_load
 from distlab.planning.plan import (
     DTYPE_BYTES,
     MOMENT_BYTES,
@@ -65,6 +67,8 @@ __all__ = [
     # distlab.planning.plan
     "DTYPE_BYTES", "MOMENT_BYTES", "PLANNERS", "ZERO3_PERSISTENCE_THRESHOLD", "ZERO_ALIGNMENT",
     "estimate_training_memory", "moment_bytes", "plan_memory", "zero_bucket_elements",
+    # distlab.planning.load
+    "LoadPeak", "load_path", "peak_bytes", "plan_load",
     # distlab.planning.advice
     "LAN_CLUSTER", "Decision", "Option", "Recommendation", "communication_bytes", "decide", "explain", "recommend",
     # distlab.measure.state, distlab.strategies

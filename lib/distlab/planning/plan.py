@@ -108,6 +108,12 @@ def quantised_parts(p: ParamSpec, quantization: str, double_quant: bool = True) 
     return _chunk(p.numel, 2), scales + NF4_CODE_BYTES
 
 
+def quantisation_of(dtype: str | None, weight_bytes: float | None) -> str | None:
+    """The bitsandbytes format a run's base is planned in ("nf4", "int8"), or None for a float base: a planning
+    dtype, or 1 / 0.5 bytes per weight without one (as the recommender asks)."""
+    return QUANT_DTYPES.get(dtype) or ({1: "int8", 0.5: "nf4"}.get(weight_bytes) if dtype is None else None)
+
+
 def moment_bytes(optimizer: str, value_bytes: float = FP32_BYTES) -> float:
     """Optimizer state bytes per trained weight (the one place the planner knows them). torch's AdamW
     keeps its two moments in the dtype of the tensor it updates (`value_bytes`: 4 for fp32 weights or
@@ -504,8 +510,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     wb, tb, act_b = prec.weight_bytes, prec.trainable_bytes, prec.activation_bytes
     if wb < 2 and not lora_r:
         raise ValueError("quantised base weights (weight_bytes < 2) can only be trained through LoRA adapters")
-    # a quantised base (a planning dtype, or 1 / 0.5 bytes per weight as the recommender asks): bitsandbytes' layout
-    quantization = QUANT_DTYPES.get(dtype) or ({1: "int8", 0.5: "nf4"}.get(wb) if dtype is None else None)
+    quantization = quantisation_of(dtype, wb)
     targets = list(lora_targets or LORA_TARGETS)
     activation_args = (micro_batch, seq_len, activation_checkpointing, lora_r, targets, lora_dropout,
                        loss_token_fraction)

@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distlab import sharded_load
 from distlab.data import SFTData, model_inputs
 from distlab.device import DeviceChoice, autocast, backend_for
 from distlab.measure.meter import NULL_METER, Meter
+from distlab.models import whole_shape
 from distlab.safe_load import load_tensors
 
 
@@ -96,6 +98,19 @@ class Strategy:
     def load_context(self, cfg, choice: DeviceChoice):
         """The context a whole model is loaded in (ZeRO-3: partitioned over the ranks as it loads)."""
         return contextlib.nullcontext()
+
+    def shard_then_fill(self, model: torch.nn.Module, choice: DeviceChoice, shard, fill_device=None):
+        """`shard(model)` (fully_shard, the tensor-parallel plan) for a strategy that `loads_shards`: a model
+        prepare_run built weightless is cut on the meta device, then each rank allocates and reads only its
+        own part (sharded_load.fill, onto `fill_device`: the run's device unless its shards are offloaded); a
+        whole model (a random preset, a quantised base) moves to the device first, then is cut."""
+        weightless = sharded_load.is_pending(model)
+        if not weightless:
+            model = model.to(choice.device)
+        shard(model)
+        if weightless:
+            sharded_load.fill(model, fill_device or choice.device, log_as=self.name)
+        return model
 
     # --- model and optimizer
     def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
@@ -277,12 +292,6 @@ class DistributedStrategy(Strategy):
         with self.meter.paused():  # the loop's bookkeeping, not the strategy's traffic
             dist.all_reduce(vote, op=dist.ReduceOp.MAX)
         return int(vote.item())
-
-
-def whole_shape(p: torch.Tensor) -> torch.Size:
-    """A weight's own shape. A ZeRO-3 parameter partitioned as it loaded (strategies.zero) holds an empty tensor
-    on each rank and keeps its shape in DeepSpeed's `ds_shape`."""
-    return getattr(p, "ds_shape", p.shape)
 
 
 def trained_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

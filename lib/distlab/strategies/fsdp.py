@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from distlab import sharded_load
 from distlab.device import DeviceChoice
 from distlab.safe_load import check_dcp
 from distlab.strategies.base import DistributedStrategy, save_consolidated
@@ -83,20 +82,20 @@ class FSDPStrategy(DistributedStrategy):
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
         cpu_offload = self.cfg is not None and self.cfg.fsdp_cpu_offload
         offload = offload_policy(cpu_offload, choice.device)
-        weightless = sharded_load.is_pending(model)  # built on meta by prepare_run: sharded before it is loaded
-        if not weightless:
-            model = model.to(choice.device)
         mp = self.mixed_precision(choice)
         reshard = self.cfg.fsdp_reshard_after_forward if self.cfg is not None else True
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-        # The root takes everything not in a layer: embedding, final norm and LM head (the same
-        # tensor when tied, so it is sharded once). The root keeps its weights gathered between
-        # forward and backward (FSDP2's default for the root): backward needs them first.
-        fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
-        if weightless:  # now allocate and read this rank's shards only (offloaded shards live on the host)
-            sharded_load.fill(model, "cpu" if cpu_offload else choice.device, log_as=self.name)
-        return model
+
+        def shard(model):
+            for layer in decoder_layers(model):
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=mp,
+                            offload_policy=offload)
+            # The root takes everything not in a layer: embedding, final norm and LM head (the same
+            # tensor when tied, so it is sharded once). The root keeps its weights gathered between
+            # forward and backward (FSDP2's default for the root): backward needs them first.
+            fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+
+        # offloaded shards live on the host
+        return self.shard_then_fill(model, choice, shard, "cpu" if cpu_offload else None)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # fully_shard changes the module's class in place; there is no wrapper

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from distlab import sharded_load
 from distlab.device import DeviceChoice
 from distlab.strategies.base import DistributedStrategy
 from distlab.strategies.fsdp import FSDPStrategy
@@ -53,19 +52,17 @@ class FSDPxTPStrategy(FSDPStrategy):
         return self.mesh["dp"].get_local_rank()
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        weightless = sharded_load.is_pending(model)  # built on meta by prepare_run: sharded before it is loaded
-        if not weightless:
-            model = model.to(choice.device)
-        # first the tp slices, then FSDP shards each slice over dp
-        apply_tp_plan(model, self.mesh["tp"], self.cfg.sequence_parallel)
         mp = self.mixed_precision(choice)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh["dp"], reshard_after_forward=self.cfg.fsdp_reshard_after_forward,
-                        mp_policy=mp)
-        fully_shard(model, mesh=self.mesh["dp"], mp_policy=mp)
-        if weightless:  # each rank reads the block of each weight that both cuts leave it
-            sharded_load.fill(model, choice.device, log_as=self.name)
-        return model
+
+        def shard(model):  # first the tp slices, then FSDP shards each slice over dp
+            apply_tp_plan(model, self.mesh["tp"], self.cfg.sequence_parallel)
+            for layer in decoder_layers(model):
+                fully_shard(layer, mesh=self.mesh["dp"], reshard_after_forward=self.cfg.fsdp_reshard_after_forward,
+                            mp_policy=mp)
+            fully_shard(model, mesh=self.mesh["dp"], mp_policy=mp)
+
+        # each rank reads the block of each weight that both cuts leave it
+        return self.shard_then_fill(model, choice, shard)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.mesh["dp"].get_group())  # one copy of each row's counts

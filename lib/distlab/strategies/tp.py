@@ -64,7 +64,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from distlab import sharded_load
 from distlab.device import DeviceChoice
 from distlab.layer_split import tp_degree_problem
 from distlab.strategies.base import DistributedStrategy, save_consolidated
@@ -221,13 +220,9 @@ class TPStrategy(DistributedStrategy):
                                      mesh_dim_names=("tp",))
 
     def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        weightless = sharded_load.is_pending(model)  # built on meta by prepare_run: split before it is loaded
-        if not weightless:
-            model = model.to(choice.device)
-        apply_tp_plan(model, self.mesh, self.sequence_parallel, self.vocab_parallel)
-        if weightless:  # each rank reads its slices of the projections, and the whole of what stays whole
-            sharded_load.fill(model, choice.device, log_as=self.name)
-        return model
+        # each rank reads its slices of the projections, and the whole of what stays whole
+        return self.shard_then_fill(model, choice, lambda m: apply_tp_plan(m, self.mesh, self.sequence_parallel,
+                                                                          self.vocab_parallel))
 
     def loss_context(self):
         """Where the loss is computed from logit slices (`vocab_parallel`), its forward and its backward both run

@@ -41,8 +41,9 @@ from distlab import compat, sharded_load
 from distlab.data import model_inputs
 from distlab.device import DeviceChoice
 from distlab.jsonio import strict_json
+from distlab.models import whole_shape
 from distlab.safe_load import check_deepspeed
-from distlab.strategies.base import DistributedStrategy, cosine_with_warmup, save_consolidated, whole_shape
+from distlab.strategies.base import DistributedStrategy, cosine_with_warmup, save_consolidated
 from distlab.strategies.deepspeed_runtime import deepspeed_config, init_deepspeed, use_extensions_cache
 
 

@@ -1,0 +1,114 @@
+"""The memory of loading: what one rank holds while the model loads, beside what a step holds.
+
+A run fits a GPU only if both fit: `peak_bytes` is the larger of the two. Sharding divides what a rank
+keeps; whether it also divides what a rank loads depends on how the weights arrive (distlab.sharded_load,
+strategies.zero, strategies.staged):
+
+  path         strategies                         device, at the worst moment of loading
+  whole        single, ddp, zero2; and fsdp, tp,  the whole model; fsdp, tp and fsdp_tp also the shards of
+               fsdp_tp for a quantised base or a  the layer being cut (its whole tensors are freed once cut,
+               folder without safetensors         one layer after another)
+  stage        pipeline, ds_pipeline              its stage (the other stages are dropped on the host)
+  slices       fsdp, tp, fsdp_tp                  its own slices (allocated empty, filled slice by slice)
+  partitioned  zero3                              its partition, plus one module's tensors gathered whole to be
+                                                  filled
+
+A quantised base is quantised by bitsandbytes inside from_pretrained: every rank holds the whole 4-bit
+replica before FSDP divides it (FSDP + QLoRA loads whole, in distlab as in from_pretrained), plus one
+tensor in the checkpoint's dtype, about to be packed.
+
+The host side, per rank: a safetensors checkpoint is memory-mapped, and the pages a rank reads count in its
+resident memory, in the file's dtype: all of it (whole, stage; partitioned: rank 0 alone reads the values,
+the other ranks only the keys and shapes), or its slices. On a GPU the whole and stage paths also build the
+model on the host before it moves; a quantised load sends each tensor to the GPU as it reads it. On a CPU
+the device is the host: one process holds both, and a slice read in the file's dtype is cast to the run's
+in a second buffer (the largest slice is the worst).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distlab.config import PIPELINE_STRATEGIES
+from distlab.planning.plan import plan_memory, quantisation_of, resolve_precision
+from distlab.planning.shapes import config_value, parameter_count, parameter_layout
+
+SLICE_STRATEGIES = ("fsdp", "tp", "fsdp_tp")  # read only their slices from a safetensors checkpoint
+SHARDED_STRATEGIES = (*SLICE_STRATEGIES, "zero3")  # keep a part of every tensor
+WHOLE_KEYS = ("dtype", "weight_bytes", "trainable_bytes", "lora_r", "lora_targets", "optimizer", "double_quant",
+              "activation_bytes")  # what the one-device plan of the whole model takes from the run's settings
+
+
+def load_path(strategy: str, *, quantised: bool = False, safetensors: bool = True) -> str:
+    """How `strategy` loads (the table above): "whole", "stage", "slices" or "partitioned"."""
+    if strategy in PIPELINE_STRATEGIES:
+        return "stage"
+    if strategy in SLICE_STRATEGIES and not quantised and safetensors:
+        return "slices"
+    if strategy == "zero3" and not quantised:
+        return "partitioned"
+    return "whole"
+
+
+@dataclass
+class LoadPeak:
+    """One rank's memory while the model loads, in bytes."""
+
+    strategy: str
+    path: str  # a key of load_path's table
+    device: float  # on its device at the worst moment (on a CPU run: part of `host`)
+    host: float  # added to the rank's process: checkpoint pages read, the model built on the host, casts
+    kept: float  # the weights and adapters it keeps once loaded (the step plan's)
+    whole: float  # the whole model's weights and adapters, as one device holds them
+
+
+def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: int | None = None,
+              checkpoint_bytes: float = 2, safetensors: bool = True, on_gpu: bool = True, **plan_kwargs) -> LoadPeak:
+    """What one rank holds while `config` loads for `strategy` on `world_size` ranks (see the module's table).
+    plan_kwargs: plan_memory's settings of the run (dtype, lora_r, tp_size, ...). checkpoint_bytes: bytes per
+    weight in the checkpoint file (2: bf16, as published models and distlab's saved presets are). rank None: the
+    rank that keeps the most."""
+    step = plan_memory(config, strategy=strategy, world_size=world_size, rank=rank, **plan_kwargs)
+    one = plan_memory(config, strategy="single", **{k: v for k, v in plan_kwargs.items() if k in WHOLE_KEYS})
+    kept, whole = step.weights + step.adapter_weights, one.weights + one.adapter_weights
+    lora = bool(plan_kwargs.get("lora_r"))
+    quantised = quantisation_of(plan_kwargs.get("dtype"), plan_kwargs.get("weight_bytes")) is not None
+    prec = resolve_precision(strategy, plan_kwargs.get("dtype"), lora=lora,
+                             optimizer=plan_kwargs.get("optimizer", "adamw"),
+                             weight_bytes=plan_kwargs.get("weight_bytes"),
+                             trainable_bytes=plan_kwargs.get("trainable_bytes"),
+                             activation_bytes=plan_kwargs.get("activation_bytes"))
+    value_bytes = prec.weight_bytes if lora else prec.trainable_bytes  # a base weight as the run holds it
+    largest = max(p.numel for p in parameter_layout(config, None))  # elements of the largest tensor
+    file_whole = parameter_count(config) * checkpoint_bytes
+    path = load_path(strategy, quantised=quantised, safetensors=safetensors)
+    if path == "slices":
+        base_kept = step.weights + (0 if lora else step.adapter_weights)
+        base_whole = one.weights + (0 if lora else one.adapter_weights)
+        pages = file_whole * base_kept / base_whole
+        device = kept
+        largest_slice = largest / world_size
+        cast = 0.0 if on_gpu else largest_slice * checkpoint_bytes  # read in the file's dtype, then cast
+        host = pages + cast
+    elif path == "partitioned":  # transformers: rank 0 copies the values in while each module is gathered
+        device, pages = kept + largest * value_bytes, file_whole if rank in (None, 0) else 0.0
+        host = pages
+    elif path == "stage":
+        device, pages = kept, file_whole
+        host = pages + (whole if on_gpu else whole - kept)  # built whole on the host, the other stages dropped
+    else:  # whole
+        packing = largest * checkpoint_bytes if quantised else 0.0  # one tensor unpacked, about to be quantised
+        cutting = kept / config_value(config, "num_hidden_layers") if strategy in SHARDED_STRATEGIES else 0.0
+        device = whole + cutting + packing
+        pages = file_whole
+        host = pages + (whole if on_gpu and not quantised else 0.0)
+    if not on_gpu:
+        host += device
+    return LoadPeak(strategy, path, device, host, kept, whole)
+
+
+def peak_bytes(config, *, strategy: str = "single", world_size: int = 1, **plan_kwargs) -> float:
+    """A rank's device peak over the whole run: the larger of loading (`plan_load`) and a training step
+    (`plan_memory`). Every "fits" verdict compares this with a card's usable memory."""
+    step = plan_memory(config, strategy=strategy, world_size=world_size, **plan_kwargs)
+    return max(step.total, plan_load(config, strategy=strategy, world_size=world_size, **plan_kwargs).device)

@@ -1,0 +1,80 @@
+"""The memory of loading (distlab.planning.load) and the verdicts that use it.
+
+The planner's load peak per path is checked against real sharding where it can be done without memory: FSDP2
+cuts a Llama-2-7B built on the meta device over 2 gloo ranks, and the bytes each rank's shards would take are
+counted from their shapes, nothing allocated. Host memory at load is measured by the scale rehearsal
+(tests/test_scale_rehearsal.py, python -m distlab.bench.scale_rehearsal).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distlab.planning import memory
+from distlab.planning.load import load_path, peak_bytes, plan_load
+from test_sharded_load import torchrun  # the gloo launcher the sharded-load tests use
+
+GIB = 2**30
+
+# Per rank: Llama-2-7B's shape on meta, fully_shard on every decoder layer and the root (as strategies.fsdp
+# does), and the bytes of this rank's local shards, counted from their shapes.
+META_7B = '''
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+from distlab.planning.shapes import LLAMA2_7B
+
+dist.init_process_group("gloo")
+with torch.device("meta"):
+    lm = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in LLAMA2_7B.items() if k != "model_type"}))
+lm = lm.to(torch.bfloat16)
+for layer in lm.model.layers:
+    fully_shard(layer)
+fully_shard(lm)
+local = sum(p.to_local().numel() * p.element_size() for p in lm.parameters())
+assert all(p.is_meta for p in lm.parameters())
+json.dump({"bytes": local}, open(f"{sys.argv[1]}.{dist.get_rank()}.json", "w"))
+dist.destroy_process_group()
+'''
+
+
+def test_a_7b_sharded_on_meta_holds_what_the_planner_says_each_rank_loads(tmp_path):
+    ranks = torchrun(tmp_path, META_7B)
+    for rank, rec in enumerate(ranks):
+        load = plan_load(memory.LLAMA2_7B, strategy="fsdp", world_size=2, rank=rank, dtype="bf16")
+        assert load.path == "slices" and load.device == pytest.approx(rec["bytes"], rel=1e-3), (rank, rec, load)
+    assert sum(r["bytes"] for r in ranks) == pytest.approx(plan_load(memory.LLAMA2_7B, dtype="bf16").whole, rel=1e-3)
+
+
+def test_load_paths_follow_how_each_strategy_loads():
+    assert [load_path(s) for s in ("single", "ddp", "zero2", "fsdp", "tp", "fsdp_tp", "zero3", "pipeline")] == \
+        ["whole", "whole", "whole", "slices", "slices", "slices", "partitioned", "stage"]
+    assert load_path("fsdp", quantised=True) == "whole" and load_path("fsdp", safetensors=False) == "whole"
+    assert load_path("zero3", quantised=True) == "whole"
+
+
+def test_a_sharded_4bit_base_loads_a_whole_replica_first():
+    q_v = dict(lora_r=16, lora_targets=["q_proj", "v_proj"], micro_batch=1, seq_len=2048,
+               activation_checkpointing=True, activation_bytes=2)
+    load = plan_load(memory.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v)
+    step = memory.plan_memory(memory.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v)
+    assert load.path == "whole" and load.device > load.whole > step.total
+    assert peak_bytes(memory.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v) == load.device
+    # bf16 weights read slice by slice: the load is the shard, and the step (buffers, activations) is the peak
+    bf16 = plan_load(memory.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=2, **q_v)
+    assert bf16.path == "slices" and bf16.device == pytest.approx(bf16.whole / 3, rel=0.01)
+    # every verdict takes the larger: the recommender finds nothing for Scenario 3, and says why
+    rec = memory.recommend(memory.LLAMA2_13B, memory.LAN_CLUSTER, lora_r=16, lora_targets=["q_proj", "v_proj"],
+                           optimizer="adamw8bit")
+    assert rec.label == "nothing fits" and "while the model loads" in rec.reasoning[-1]
+    assert not rec.decision.option("fsdp", 0.5).fits_every_gpu
+
+
+def test_zero3_holds_one_whole_tensor_beside_its_partition_while_loading():
+    load = plan_load(memory.LLAMA2_7B, strategy="zero3", world_size=3, dtype="bf16", lora_r=16)
+    largest = 32000 * 4096 * 2  # the embedding (and the untied LM head), gathered whole to be filled
+    assert load.device - load.kept == largest
+    assert load.host == memory.parameter_count(memory.LLAMA2_7B) * 2  # rank 0 maps the whole bf16 file
+    assert plan_load(memory.LLAMA2_7B, strategy="zero3", world_size=3, rank=1, dtype="bf16", lora_r=16).host == 0
