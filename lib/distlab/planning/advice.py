@@ -406,10 +406,10 @@ def _needs(o: Option) -> str:
     if o.load.device <= o.plan.total:
         return f"{_gib(o.plan.total):.2f} GiB"
     why = {"whole": "every GPU loads the whole model before it is divided" + (
-               ": bitsandbytes quantises it inside from_pretrained" if o.weight_bytes < 2 else ""),
-           "partitioned": "one tensor is gathered whole to be filled", "stage": "its stage, whole",
-           "slices": "its slices"}[o.load.path]
-    return f"{_gib(o.load.device):.2f} GiB while the model loads ({why}; a step needs {_gib(o.plan.total):.2f} GiB)"
+               ", as bitsandbytes quantises it inside from_pretrained" if o.weight_bytes < 2 else ""),
+           "partitioned": "one tensor is gathered whole to be filled", "stage": "it loads its stage whole",
+           "slices": "it reads its slices"}[o.load.path]
+    return f"{_gib(o.load.device):.2f} GiB while the model loads, {_gib(o.plan.total):.2f} GiB in a step: {why}"
 
 
 def _sharded_4bit_line(d: Decision) -> str:
