@@ -116,3 +116,15 @@ def test_halves_line_and_phase_kinds():
              (4.1, 4.6, "4 KiB"), (4.6, 5.0, "exit")]
     by_kind = ch00.phase_durations(spans).groupby("kind")["seconds"].sum()
     assert by_kind.to_dict() == pytest.approx({"start-up": 4.1, "all-reduce": 0.5, "exit": 0.4})
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_recorded_ring_rebuilds_the_schedule(n):
+    """What the chapter's by-hand ring records (the chunk each rank sent, each chunk's sum of 2^rank values)
+    gives back ring_allreduce_steps, and a wrong send shows."""
+    steps = ch00.ring_allreduce_steps(n)
+    records = [[{"sent": next((c for src, _, c in st["sends"] if src == r), None),
+                 "chunks": [sum(2**b for b in summed) for summed in st["state"][r]]} for st in steps] for r in range(n)]
+    assert ch00.ring_steps_from_record(records) == steps
+    records[0][1]["sent"] = (records[0][1]["sent"] + 1) % n
+    assert ch00.ring_steps_from_record(records) != steps

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from distlab import paths
+from distlab.config import TrainConfig
 from distlab.data import IGNORE_INDEX, SFTData, load_jsonl
 from distlab.metrics import mean_attention_span, train_flops_per_token, utilisation
+from distlab.train import run_flops_per_token
 
 CONFIG = SimpleNamespace(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          intermediate_size=16, vocab_size=32)
@@ -28,7 +30,8 @@ def test_full_finetune_is_palms_6n_plus_attention():
 
 def test_lora_counts_frozen_weights_twice_and_adapter_weights_six_times():
     n = LAYER_WEIGHTS + HEAD
-    assert train_flops_per_token(CONFIG, 100, 10, False) == 4 * n + 8 * 2 * 10 * 8 + 6 * 100
+    # attention multiplies activations by activations: its backward is twice its forward under LoRA too
+    assert train_flops_per_token(CONFIG, 100, 10, False) == 4 * n + 12 * 2 * 10 * 8 + 6 * 100
 
 
 def test_the_head_counts_at_label_positions_only():
@@ -195,3 +198,17 @@ def test_benchmark_tables_are_fresh_until_the_library_changes(tmp_path):
     sidecar.write_text(json.dumps({**side, "inputs": "0" * 16}))  # measured from another library
     [problem] = freshness.stale_outputs(tmp_path)
     assert "make benchmarks" in problem.problem
+
+
+def test_model_flops_count_pairs_within_documents_and_executed_flops_what_the_kernel_computes():
+    """Packed rows of documents 4 and 6 long in 10-token rows: the model needs (16 + 36) / 10 keys per query;
+    a masked kernel over the whole row computes 10, per-document attention 5.2; recomputation adds a forward."""
+    data = SimpleNamespace(label_tokens=5, real_tokens=10, packed=True, document_lengths=[4, 6])
+    per_doc = run_flops_per_token(TrainConfig(seq_len=10, attn_implementation="varlen"), CONFIG, 100, data)
+    masked = run_flops_per_token(TrainConfig(seq_len=10, attn_implementation="sdpa"), CONFIG, 100, data)
+    recomputed = run_flops_per_token(TrainConfig(seq_len=10, attn_implementation="varlen",
+                                                 activation_checkpointing=True), CONFIG, 100, data)
+    model = train_flops_per_token(CONFIG, 100, 5.2, False, 0.5)
+    assert per_doc == (model, model) and masked[0] == model and recomputed[0] == model
+    assert masked[1] - model == pytest.approx(3 * 4 * 2 * (10 - 5.2) * 8)  # the masked pairs, computed anyway
+    assert recomputed[1] > model

@@ -19,7 +19,9 @@ lesson fails `make test-fast`:
 * short code cells: plumbing lives in `distlab.chapters`, not in the notebook;
 * no paragraphs assembled from f-strings in code cells (a reader of the unexecuted notebook must be able
   to read the chapter);
-* none of the project's internal words.
+* none of the project's internal words;
+* a link to the case study (book/case_studies.md) wherever a markdown cell names one of the five systems the
+  chapters follow ("the study", "the LAN cluster guide", ...), and the same in every reader page's paragraph.
 
 Chapters not yet rewritten as lessons are expected failures, each named with the work that rewrites it,
 and strict: when one starts passing, the mark must go.
@@ -54,8 +56,9 @@ INTERNAL_WORDS = [
     (re.compile(r"\bObservation\s+\d", re.I), "'Observation N' of an unnamed study"),
     (re.compile(r"\bthe issue\b|\bissue\s*#?\d+", re.I), "a reference to the project's issues"),
     (re.compile(r"FACTS\.md|TEACHING\.md|DEVELOPERS\.md|\bshared/", re.I), "the project's internal notes"),
+    (re.compile(r"\bSEED_MODELS\b"), "SEED_MODELS (name the models for what they are: the case studies' models)"),
+    (re.compile(r"\bseed['’]s sweep\b", re.I), "'seed's sweep' (name the case study whose sweep it is)"),
 ]
-
 # Not yet lessons: rewritten by later work (the reason names it). strict: a pass must remove the mark.
 NOT_YET_LESSONS: dict[str, str] = {}  # every chapter is a lesson now
 
@@ -241,6 +244,123 @@ def test_reader_pages_hold_no_internal_words(page):
     assert not found, "\n".join(found)
 
 
+# The case studies: book/case_studies.md describes the five systems the chapters follow. A phrase that names one
+# of them without saying what it is must come with a link to its section, in the same markdown cell of a chapter
+# or the same paragraph of a reader page (a heading counts with the paragraph under it).
+CASE_STUDIES_PAGE = paths.BOOK_DIR / "case_studies.md"
+CASE_STUDY_PHRASES = re.compile(
+    r"\bstudy\b"  # the DeepSpeed pipeline-vs-FSDP study, "the study's table"
+    r"|\bLAN[- ]cluster guide"  # the heterogeneous LAN cluster
+    r"|\bScenario \d"  # the LAN cluster's scenarios ("Scenario 3", its 13B run)
+    r"|\bSlurm inference report"
+    r"|\bKubernetes benchmark"
+    r"|\benterprise (?:LoRA \+ DDP )?demo",  # the enterprise assistant
+    re.I)
+# A Markdown link to the page (`[...](../case_studies.md#section)`, `book/case_studies.md` from the READMEs) or
+# a {doc} role naming it.
+CASE_STUDY_LINK = re.compile(r"\]\([^)\s]*case_studies\.md(?:#[^)\s]*)?\)|\{doc\}`[^`]*case_studies>?`")
+CASE_STUDY_ANCHOR = re.compile(r"\]\([^)\s]*case_studies\.md#([^)\s]+)\)")
+CODE_FENCE = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})(?!\{).*?^ {0,3}(?P=fence)[ \t]*$", re.M | re.S)
+HEADING_ONLY = re.compile(r"\A(?:[ ]{0,3}#{1,6}\s.*\n?)+\Z")
+
+
+def without_code(text: str) -> str:
+    """Markdown without its fenced code blocks (code holds no links), MyST directives (```{note}) kept."""
+    return CODE_FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+
+
+def paragraphs(text: str) -> list[tuple[int, str]]:
+    """A page's blocks between blank lines, with their first line's number; a heading joins the block below."""
+    blocks: list[tuple[int, str]] = []
+    current: list[str] = []
+    start = 0
+    for n, line in enumerate([*without_code(text).splitlines(), ""], 1):
+        if line.strip():
+            if not current:
+                start = n
+            current.append(line)
+        elif current:
+            blocks.append((start, "\n".join(current)))
+            current = []
+    merged: list[tuple[int, str]] = []
+    for start, block in blocks:
+        if merged and HEADING_ONLY.match(merged[-1][1]):
+            merged[-1] = (merged[-1][0], merged[-1][1] + "\n" + block)
+        else:
+            merged.append((start, block))
+    return merged
+
+
+def case_study_units(path: Path) -> list[tuple[str, str]]:
+    """(where, text) for each unit of reading: a chapter's markdown cells, a page's paragraphs."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        return [(f"cell {i}", without_code(source(c))) for i, c in enumerate(cells) if c["cell_type"] == "markdown"]
+    return [(f"line {n}", block) for n, block in paragraphs(path.read_text(encoding="utf-8"))]
+
+
+def unlinked_case_studies(units: list[tuple[str, str]]) -> list[str]:
+    """Each unit that names a case study with no link to the case studies page."""
+    return [f"{where}: {m.group(0)!r} in {text[max(0, m.start() - 40):m.end() + 40]!r}"
+            for where, text in units
+            for m in [CASE_STUDY_PHRASES.search(text)] if m and not CASE_STUDY_LINK.search(text)]
+
+
+def heading_slugs(text: str) -> set[str]:
+    """The anchors MyST (heading_anchors) and GitHub give a page's headings: lower case, spaces to hyphens,
+    punctuation dropped."""
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", without_code(text), re.M)}
+
+
+def case_study_readers() -> list[Path]:
+    return [*sorted(paths.NOTEBOOKS_DIR.glob("*.ipynb")), *(p for p in reader_pages() if p != CASE_STUDIES_PAGE)]
+
+
+@pytest.mark.parametrize("path", case_study_readers(), ids=lambda p: str(p.relative_to(paths.REPO_ROOT)))
+def test_a_named_case_study_is_linked(path):
+    if not path.exists():
+        pytest.fail(f"{path} is missing")
+    unlinked = unlinked_case_studies(case_study_units(path))
+    assert not unlinked, (f"{path.name} names a case study without linking it (book/case_studies.md, e.g. "
+                          "[the pipeline study](../case_studies.md#deepspeed-pipeline-versus-fsdp)):\n  "
+                          + "\n  ".join(unlinked))
+
+
+def test_case_study_links_name_a_section():
+    text = CASE_STUDIES_PAGE.read_text(encoding="utf-8")
+    assert re.search(r"^myst:\s*\n\s+heading_anchors:\s*[2-6]\b", text, re.M), \
+        "case_studies.md must set myst heading_anchors (front matter): the chapters link its sections"
+    slugs = heading_slugs(text)
+    assert len(slugs) >= 6, slugs  # the title and one section per case study
+    broken = [f"{path.name}: #{anchor}" for path in case_study_readers()
+              for anchor in CASE_STUDY_ANCHOR.findall(path.read_text(encoding="utf-8")) if anchor not in slugs]
+    assert not broken, f"links to sections case_studies.md has not got ({sorted(slugs)}):\n  " + "\n  ".join(broken)
+
+
+@pytest.mark.parametrize("text, linked", [
+    ("As the study found, GA >= 8 wins.", False),
+    ("As the [DeepSpeed study](../case_studies.md#deepspeed-pipeline-versus-fsdp) found, GA >= 8 wins.", True),
+    ("The LAN-cluster guide plans 7B.", False),
+    ("The [LAN cluster guide](../case_studies.md) plans 7B.", True),
+    ("See {doc}`case_studies`: the enterprise demo's runs.", True),
+    ("The guide's Scenario 3 does not fit.", False),
+    ("A Slurm inference report ran it.", False),
+    ("Nothing named here, only a random seed.", True),
+    ("```bash\npython -m distlab.bench.pipeline_study  # the study's sweep\n```\n", True),
+])
+def test_the_case_study_check_catches_an_unlinked_name(text, linked):
+    assert (unlinked_case_studies([("cell 0", without_code(text))]) == []) == linked
+
+
+def test_a_page_heading_counts_with_the_paragraph_below():
+    page = ("## The enterprise demo's commands\n\nEach follows the [enterprise assistant]"
+            "(book/case_studies.md#enterprise-assistant).\n\nThe study said so.\n")
+    assert [n for n, _ in paragraphs(page)] == [1, 5]
+    assert unlinked_case_studies([(f"line {n}", t) for n, t in paragraphs(page)]) == [
+        "line 5: 'study' in 'The study said so.'"]
+
+
 GOOD = {
     "cells": [
         {"cell_type": "markdown", "metadata": {}, "source":
@@ -295,6 +415,8 @@ def test_the_standard_accepts_a_lesson(tmp_path):
     (lambda c: c[3].update(source='display(Markdown(f"x is {x}"))\n'), "builds Markdown"),
     (lambda c: c[2].update(source="**Predict.** As the seed said."), "'the seed'"),
     (lambda c: c[2].update(source="**Predict.** We beat the goal 1.6x."), "goal N.Nx"),
+    (lambda c: c[3].update(source="ch09.draw_idea(memory.SEED_MODELS)\n"), "SEED_MODELS"),
+    (lambda c: c[2].update(source="**Predict.** What will the seed's sweep show?"), "seed's sweep"),
     # Solutions and answers collapsed in JupyterLab as in the book.
     (lambda c: c[5]["metadata"]["jupyter"].pop("source_hidden"), "cell 5: a solution code cell must carry"),
     (lambda c: c[7]["metadata"]["jupyter"].update(outputs_hidden=False), "cell 7: a solution code cell must carry"),

@@ -1,5 +1,6 @@
-"""The seed's commands on the run folders of a real launch: distlab.commands.matrix launches a 1-rank and a 2-rank
-DDP run with the generated torchrun scripts, then scaling, report, infer, accept and monitor run on them."""
+"""The enterprise assistant's commands on the run folders of a real launch: distlab.commands.matrix launches a
+1-rank and a 2-rank DDP run with the generated torchrun scripts, then scaling, report, infer, accept and monitor
+run on them."""
 
 from __future__ import annotations
 

@@ -36,6 +36,9 @@ def test_rows_per_rank_split():
     assert rows_per_rank(12, [1, 0.5, 0.5], 3) == [6, 3, 3]
     assert sum(rows_per_rank(13, [0.7, 0.2, 0.1], 3, minimum=2)) == 13
     assert min(rows_per_rank(6, [100, 1, 1], 3, minimum=2)) == 2
+    # in proportion first, then the minimum: a host 4x slower gets its 2.4 rows' worth, not 3 of 12
+    assert rows_per_rank(12, [1, 0.25], 2) == [10, 2]
+    assert rows_per_rank(6, [100, 1, 1], 3) == [4, 1, 1]
     with pytest.raises(ValueError, match="entries for 3"):
         rows_per_rank(12, [1, 1], 3)
 

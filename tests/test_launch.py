@@ -336,7 +336,7 @@ def test_quoted_values_reach_the_program_verbatim(tmp_path):
     assert not [p for p in tmp_path.rglob("PWNED*")] and not list(Path.cwd().glob("PWNED*"))
 
 
-# ------------------------------------------------------------------ launch/ and the seed matrix
+# ------------------------------------------------------------------ launch/ and the case studies' matrix
 
 def test_checked_in_launch_folder_matches_the_writer():
     problems = generated.check_dir(LAUNCH_DIR, catalog.launch_files())
@@ -398,7 +398,7 @@ def test_enterprise_config_loads_with_the_seed_defaults():
     assert (cfg.global_batch_size, cfg.micro_batch_size, cfg.lr, cfg.weight_decay) == (64, 2, 2e-4, 0.01)
     assert (cfg.warmup_steps, cfg.max_grad_norm, cfg.logging_steps) == (20, 1.0, 5)
     assert cfg.output_dir == "build/runs/enterprise_7b"
-    assert [cfg.micro_steps(w) for w in (1, 4, 8)] == [32, 8, 4]  # the seed's 8 on 4 GPUs
+    assert [cfg.micro_steps(w) for w in (1, 4, 8)] == [32, 8, 4]  # the enterprise assistant's 8 on 4 GPUs
 
 
 # ------------------------------------------------------------------ real runs (torchrun on CPU)

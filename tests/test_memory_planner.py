@@ -28,9 +28,9 @@ def meta_model(shape: dict):
         return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("name", list(memory.SEED_MODELS))
+@pytest.mark.parametrize("name", list(memory.CASE_STUDY_MODELS))
 def test_layout_is_the_real_models_parameters(name):
-    shape = memory.SEED_MODELS[name]
+    shape = memory.CASE_STUDY_MODELS[name]
     model = meta_model(shape)
     real = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied head appears once
     planned = [(p.name, p.shape) for p in memory.parameter_layout(shape)]

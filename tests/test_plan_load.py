@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+from distlab import sharded_load
+from distlab.config import PIPELINE_STRATEGIES, QUANTISED_STRATEGIES, STRATEGY_NAMES, TrainConfig
 from distlab.planning import memory
 from distlab.planning.load import load_path, peak_bytes, plan_load
+from distlab.strategies import make_strategy
 from test_sharded_load import torchrun  # the gloo launcher the sharded-load tests use
 
 GIB = 2**30
@@ -53,6 +56,20 @@ def test_load_paths_follow_how_each_strategy_loads():
         ["whole", "whole", "whole", "slices", "slices", "slices", "partitioned", "stage"]
     assert load_path("fsdp", quantised=True) == "whole" and load_path("fsdp", safetensors=False) == "whole"
     assert load_path("zero3", quantised=True) == "whole"
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_the_planner_loads_each_strategy_as_prepare_run_does(strategy):
+    """Two places hold the rule: the planner's load_path and what prepare_run asks of a strategy
+    (loads_shards, unless sharded_load.whole_model_reason; ZeRO-3's partitioned load_context)."""
+    made = make_strategy(strategy)
+    runs = {"slices": made.loads_shards and sharded_load.whole_model_reason(TrainConfig()) is None,
+            "partitioned": getattr(made, "stage", 0) == 3, "stage": strategy in PIPELINE_STRATEGIES}
+    expected = next((path for path, taken in runs.items() if taken), "whole")
+    assert load_path(strategy) == expected
+    if strategy in QUANTISED_STRATEGIES:  # a quantised base: bitsandbytes quantises inside from_pretrained
+        assert sharded_load.whole_model_reason(TrainConfig(quantization="nf4")) and \
+            load_path(strategy, quantised=True) == "whole"
 
 
 def test_a_sharded_4bit_base_loads_a_whole_replica_first():

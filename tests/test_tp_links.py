@@ -49,8 +49,9 @@ def test_the_table_sets_the_slow_down_beside_bytes_over_rate_and_the_figure_is_s
     table = ch07.link_table(sweep, sent)
     assert table.loc[("50mbit", "tp"), "slow-down (s)"] == pytest.approx(1.2)
     assert table.loc[("50mbit", "tp"), "bytes / rate (s)"] == pytest.approx(1.12)
-    assert table.loc[("50mbit", "tp"), "link floor (s)"] == pytest.approx((7e6 - 2**20) * 8 / 50e6, abs=1e-3)
-    assert table.loc[("10gbit", "tp"), "link floor (s)"] == 0  # 7 MB fit in one 10 MiB bucket
+    # one bucket passes free: 64 KiB at 50 Mbit/s (its 2 ms of line would be less), 2.5 MB (2 ms) at 10 Gbit/s
+    assert table.loc[("50mbit", "tp"), "link floor (s)"] == pytest.approx((7e6 - 2**16) * 8 / 50e6, abs=1e-3)
+    assert table.loc[("10gbit", "tp"), "link floor (s)"] == pytest.approx((7e6 - 2.5e6) * 8 / 10e9, abs=1e-3)
     assert table.loc[("10gbit", "ddp"), "slow-down (s)"] == 0
     out = ch07.link_figure(sweep, sent, tmp_path / "07_link_rate.png", STAMP)
     assert out.stat().st_size > 10_000

@@ -19,21 +19,26 @@ from torch.utils.data import DistributedSampler
 
 
 def rows_per_rank(total: int, shares: Sequence[float], world: int, minimum: int = 1) -> list[int]:
-    """`total` rows split in proportion to `shares` (largest remainder), at least `minimum` rows per rank
-    (one per micro-batch: every rank runs the same number of micro-steps, so DDP syncs once per step)."""
+    """`total` rows split in proportion to `shares` (largest remainder), then every rank below `minimum` raised
+    to it with rows from the rank holding the most (one row per micro-batch: every rank runs the same number of
+    micro-steps, so DDP syncs once per step). Proportion first: giving each rank its minimum before the split
+    would hand the slow ranks more than their share."""
     if len(shares) != world:
         raise ValueError(f"rank_shares has {len(shares)} entries for {world} data-parallel ranks")
     if total < world * minimum:
         raise ValueError(f"{total} rows cannot give each of {world} ranks {minimum}")
     if min(shares) <= 0:
         raise ValueError(f"rank_shares must be positive, got {list(shares)}")
-    spare = total - world * minimum  # the minimum first: no rank idles
-    exact = [spare * s / sum(shares) for s in shares]
+    exact = [total * s / sum(shares) for s in shares]
     counts = [int(x) for x in exact]
     by_remainder = sorted(range(world), key=lambda i: exact[i] - counts[i], reverse=True)
-    for i in by_remainder[:spare - sum(counts)]:
+    for i in by_remainder[:total - sum(counts)]:
         counts[i] += 1
-    return [c + minimum for c in counts]
+    for i in range(world):
+        while counts[i] < minimum:  # the donor keeps at least `minimum`: total >= world x minimum
+            counts[max(range(world), key=counts.__getitem__)] -= 1
+            counts[i] += 1
+    return counts
 
 
 def shares_from_throughput(rows_per_s: Sequence[float], digits: int = 3) -> list[float]:

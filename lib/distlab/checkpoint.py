@@ -50,15 +50,16 @@ class ResumeMismatch(ValueError):
     """The output folder's newest checkpoint was written by a run with other settings (or records none)."""
 
 
-def file_digest(path: str | Path | None) -> str | None:
-    """sha256 of a file's bytes (the first 16 hex digits): the same data under another name is the same data."""
+def file_digest(path: str | Path | None, length: int = 16) -> str | None:
+    """sha256 of a file's bytes (its first `length` hex digits, 64 for all): the same data under another name is
+    the same data."""
     if path is None:
         return None
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:length]
 
 
 def _model_identity(model: str | None) -> dict[str, Any]:

@@ -19,24 +19,26 @@ def train_flops_per_token(config, n_trainable_linear: int, seq_len: float, full_
     Which positions count: the decoder layers run at every real token; the LM head at the
     `label_fraction` of tokens that carry a label (in pretraining every token does, which gives
     PaLM's 6N); attention scores and values cost 4 * layers * seq_len * heads * head_dim per token
-    in the forward, the full seq_len x seq_len square (causal masking not halved, as PaLM counts).
+    in the forward, a full seq_len x seq_len square (causal masking not halved, as PaLM counts).
 
     Forward: 2 FLOPs per weight and token. Backward: gradients w.r.t. activations cost the forward
     again (2 per weight), and gradients w.r.t. weights 2 more per weight, but only for the weights
-    being trained. Full fine-tuning: 6N + 12 L S d. LoRA: 4N for the frozen weights (forward and
-    backward through them) + 8 L S d + 6 per adapter weight (forward, activation and weight
-    gradients). `recompute` adds the forward of the layers again (activation checkpointing)."""
+    being trained. Attention's two matmuls multiply activations by activations, so their backward
+    needs both operands' gradients (dQ and dK, dP and dV: twice the forward) whether or not any weight
+    trains. Full fine-tuning: 6N + 12 L S d. LoRA: 4N for the frozen weights (forward and backward
+    through them) + 12 L S d + 6 per adapter weight (forward, activation and weight gradients).
+    `recompute` adds the forward of the layers again (activation checkpointing)."""
     d, layers = config.hidden_size, config.num_hidden_layers
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or d // heads
     ffn = config.intermediate_size
     per_layer = d * heads * head_dim * 2 + d * kv * head_dim * 2 + 3 * d * ffn  # q,o + k,v + gate/up/down
-    layer_forward = 2 * layers * per_layer + 4 * layers * seq_len * heads * head_dim
-    head_forward = 2 * config.vocab_size * d * label_fraction
-    forward = layer_forward + head_forward
+    weights_forward = 2 * layers * per_layer + 2 * config.vocab_size * d * label_fraction  # layers + LM head
+    attention_forward = 4 * layers * seq_len * heads * head_dim
     passes = 3 if full_finetune else 2  # forward + activation gradients (+ weight gradients)
     adapter = 0 if full_finetune else 6 * n_trainable_linear
-    return passes * forward + adapter + (layer_forward if recompute else 0)
+    recomputed = 2 * layers * per_layer + attention_forward if recompute else 0
+    return passes * weights_forward + 3 * attention_forward + adapter + recomputed
 
 
 def mean_attention_span(document_lengths) -> float:

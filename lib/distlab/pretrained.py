@@ -12,7 +12,6 @@ from_pretrained folder. Nothing is downloaded at run time.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -20,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from distlab.checkpoint import file_digest
 from distlab.jsonio import strict_json
 from distlab.paths import MODEL_CACHE
 
@@ -48,14 +48,6 @@ def gguf_path() -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def build_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Path:
     """Convert the packaged GGUF file once (about 25 s on one core) into a from_pretrained folder and
     return it. Rebuilt only when the file or the recipe changed; written to a temporary folder and
@@ -71,7 +63,7 @@ def build_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Pat
     with build_lock(out_dir.with_name(out_dir.name + ".lock")):
         # the digest of a 98 MB file takes a fraction of a second; keyed on size and mtime it would miss a
         # reinstall of another build of the same version
-        digest = _file_digest(source)
+        digest = file_digest(source, length=64)
         if not force and stamp.exists():
             built = json.loads(stamp.read_text())
             if built.get("gguf_sha256") == digest and built.get("recipe") == RECIPE:

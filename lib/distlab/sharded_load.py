@@ -195,15 +195,20 @@ def _local_box(t: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 @contextlib.contextmanager
-def zero3_init(ds_config: dict):
+def zero3_init(ds_config: dict, dtype: torch.dtype):
     """ZeRO-3's sharded load: while this context is open, transformers' from_pretrained builds the model under
     `deepspeed.zero.Init` (it asks transformers.integrations for a live HfDeepSpeedConfig), so every parameter
     is partitioned over the ranks as it is created and filled. Closed after loading, so that nothing built
-    later in the process (a sweep's next run, a model built for comparison) is partitioned by surprise."""
+    later in the process (a sweep's next run, a model built for comparison) is partitioned by surprise.
+
+    zero.Init creates the parameters in the dtype of the config's precision section (fp32 without one), and
+    the engine leaves a model built under it as it is: the loading config names `dtype`, the dtype the run
+    stores its weights in (bf16 weights trained in DeepSpeed's fp32 mode keep 2 bytes, as a whole load does)."""
     # deferred: transformers is slow to import, and only ZeRO-3 needs it here
     from transformers.integrations import HfDeepSpeedConfig
 
-    live = HfDeepSpeedConfig(ds_config)  # transformers keeps only a weak reference: this one keeps it alive
+    precision = {"bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16}}
+    live = HfDeepSpeedConfig({**ds_config, **precision})  # transformers keeps a weak reference: this one lives
     try:
         yield live
     finally:

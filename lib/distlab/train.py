@@ -99,15 +99,16 @@ def run_flops_per_token(cfg: TrainConfig, model_config, n_trainable: int, train_
     """(model FLOPs, executed FLOPs) per real token of a run: MFU's and HFU's numerators.
 
     Both count the LM head only where the data has labels (the loss needs nothing else). Model FLOPs
-    count attention over the whole packed row, as PaLM's formula does; executed FLOPs count what this
-    run's kernels compute: one square per document with per-document attention, and the layers'
-    forward again under activation checkpointing."""
+    count attention within each document (a packed row's documents never attend to each other: those
+    pairs are no part of the model); executed FLOPs count what this run's kernels compute: one square per
+    document with per-document attention, the whole row's square (masked pairs too) otherwise, and the
+    layers' forward again under activation checkpointing. So HFU >= MFU, as in PaLM."""
     label_fraction = train_data.label_tokens / train_data.real_tokens
-    per_document = train_data.packed and resolve(cfg.attn_implementation) == VARLEN
-    span = mean_attention_span(train_data.document_lengths) if per_document else cfg.seq_len
-    model = train_flops_per_token(model_config, n_trainable, cfg.seq_len, not cfg.lora, label_fraction)
-    executed = train_flops_per_token(model_config, n_trainable, span, not cfg.lora, label_fraction,
-                                     recompute=cfg.activation_checkpointing)
+    per_document = not train_data.packed or resolve(cfg.attn_implementation) == VARLEN
+    documents = mean_attention_span(train_data.document_lengths)
+    model = train_flops_per_token(model_config, n_trainable, documents, not cfg.lora, label_fraction)
+    executed = train_flops_per_token(model_config, n_trainable, documents if per_document else cfg.seq_len,
+                                     not cfg.lora, label_fraction, recompute=cfg.activation_checkpointing)
     return model, executed
 
 

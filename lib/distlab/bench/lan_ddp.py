@@ -163,7 +163,7 @@ def _sweep_rows(placement, runs: Sequence[LinkRun], results: dict[str, dict]) ->
         m = results[run.name]
         rows.append({"rate": run.rate, "rate_bytes_per_s": link_bytes_per_s(run.rate), "mode": mode, **m, **plan[mode],
                      "bytes_vs_planner": m["comm_bytes"] / plan[mode]["predicted_grad_bytes"],
-                     # what a link that never bursts needs for the planner's bytes (tbf lets 1 MB through at once)
+                     # what a link that never bursts needs for the planner's bytes (tbf lets one bucket through at once)
                      "predicted_comm_s": plan[mode]["predicted_wire_bytes"] / link_bytes_per_s(run.rate),
                      "placement": placement.kind, "run": run.name})
     return sorted(rows, key=lambda r: (link_bits(r["rate"]), r["mode"] != "lora"))

@@ -48,7 +48,7 @@ RUN = {"dtype": "fp32", "device": "cpu", "seq_len": 128, "packing": True, "micro
 CHECKPOINT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-def model_folder(model: str | None) -> Path:
+def rehearsal_folder(model: str | None) -> Path:
     """The folder a run reads: the preset saved as safetensors, or any local model folder."""
     from distlab import models  # deferred: transformers is slow to import
 
@@ -70,7 +70,7 @@ def rehearse(model: str | None = None, strategies=STRATEGIES, modes=MODES, steps
     from distlab.launch import local  # deferred: the launcher imports the training stack
     from distlab.results.extract import collect_run
 
-    folder = model_folder(model)
+    folder = rehearsal_folder(model)
     shape = json.loads((folder / "config.json").read_text())
     checkpoint_bytes = CHECKPOINT_BYTES[shape.get("torch_dtype") or shape.get("dtype") or "float32"]
     rows = []
@@ -107,7 +107,9 @@ def rehearse(model: str | None = None, strategies=STRATEGIES, modes=MODES, steps
                              "step_planned_mib": plan["step_planned"] / 2**20,
                              "step_ratio": step / plan["step_planned"], "skipped": ""})
             print(pd.DataFrame(rows[-world:]).round(3).to_string(index=False), flush=True)
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    table["rank"] = table["rank"].astype("Int64")  # a whole number, blank where a run was skipped
+    return table
 
 
 def main(argv=None) -> int:
@@ -128,9 +130,13 @@ def main(argv=None) -> int:
     table = rehearse(args.model, strategies, modes, args.steps, timeout_s=args.timeout)
     print(table.round(3).to_string(index=False))
     if args.out:
-        save_table(table, Path(args.out) / TABLE, {**stamp(args.model or PRESET, 2),
-                                                   "benchmark": "distlab.bench.scale_rehearsal",
-                                                   "arguments": vars(args)})
+        # deferred: only saving the table needs the digest of the tree it was measured from
+        from distlab.publish.freshness import benchmark_inputs
+
+        module = "distlab.bench.scale_rehearsal"
+        save_table(table, Path(args.out) / TABLE, {**stamp(args.model or PRESET, 2), "benchmark": module,
+                                                   "arguments": vars(args),
+                                                   "inputs": benchmark_inputs(module, vars(args))})
     return 0
 
 

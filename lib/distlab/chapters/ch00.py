@@ -44,6 +44,21 @@ def ring_allreduce_steps(n: int) -> list[dict[str, Any]]:
     return steps
 
 
+def ring_steps_from_record(records: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """`ring_allreduce_steps`' steps, rebuilt from what the chapter's by-hand ring recorded on each rank: per step,
+    the chunk it sent to its right neighbour and the first value of every chunk it held. Rank r added 2^r, so a
+    value's bits are the ranks whose values that chunk sums."""
+    n = len(records)
+    steps = []
+    for k in range(len(records[0])):
+        phase = "start" if k == 0 else "reduce-scatter" if k < n else "all-gather"
+        sends = [(r, (r + 1) % n, records[r][k]["sent"]) for r in range(n)] if k else []
+        state = [[frozenset(b for b in range(n) if value >> b & 1) for value in records[r][k]["chunks"]]
+                 for r in range(n)]
+        steps.append({"phase": phase, "step": k if k < n else k - (n - 1), "sends": sends, "state": state})
+    return steps
+
+
 def chunks_sent_per_rank(steps: Sequence[Mapping[str, Any]], n: int) -> list[int]:
     """How many chunks (of B/n bytes each) every rank sent over the whole all-reduce."""
     sent = [0] * n
@@ -53,12 +68,14 @@ def chunks_sent_per_rank(steps: Sequence[Mapping[str, Any]], n: int) -> list[int
     return sent
 
 
-def draw_ring_allreduce(n: int, out_png: str | Path, provenance: Mapping[str, Any]) -> Figure:
+def draw_ring_allreduce(n: int, out_png: str | Path, provenance: Mapping[str, Any],
+                        steps: Sequence[Mapping[str, Any]] | None = None) -> Figure:
     """Every step of a ring all-reduce of n ranks: who sends which chunk to whom, and what each chunk sums.
 
     One panel per step (the start, n - 1 reduce-scatter steps, n - 1 all-gather steps) and a last one that
-    counts the bytes: 2(n - 1) chunks of B/n, the 2(n-1)/n of busbw. Saved with its provenance."""
-    steps = ring_allreduce_steps(n)
+    counts the bytes: 2(n - 1) chunks of B/n, the 2(n-1)/n of busbw. `steps`: a run's own record
+    (`ring_steps_from_record`), else the schedule computed (`ring_allreduce_steps`). Saved with its provenance."""
+    steps = list(steps) if steps is not None else ring_allreduce_steps(n)
     panels = len(steps) + 1
     cols = math.ceil(panels / 2)
     fig = Figure(figsize=(3.0 * cols, 6.4))

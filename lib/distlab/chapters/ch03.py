@@ -26,7 +26,7 @@ from distlab.results.schema import MemoryBreakdown
 
 # (strategy, does a rank keep only 1/k of: parameters, gradients, optimizer state; the collectives per step)
 STAGES = [("DDP", (False, False, False), "all-reduce gradients"),
-          ("ZeRO-1", (False, False, True), "all-reduce gradients,\nall-gather parameters"),
+          ("ZeRO-1", (False, False, True), "reduce-scatter gradients,\nall-gather parameters"),
           ("ZeRO-2", (False, True, True), "reduce-scatter gradients,\nall-gather parameters"),
           ("ZeRO-3 / FSDP", (True, True, True), "all-gather parameters (forward\nand backward), reduce-scatter grads")]
 PARTS = [("parameters", 1.0, "C0"), ("gradients", 1.0, "C1"), ("optimizer state\n(AdamW: 2 moments)", 2.0, "C2")]
@@ -399,11 +399,11 @@ def advice_before_after(shape, cards: Sequence[Mapping], model_name: str, **kw) 
     for when, shard in (("before: a quantised base runs one replica per GPU", False),
                         ("after: FSDP may shard a 4-bit base", True)):
         rec = memory.recommend(shape, cards, model_name=model_name, shard_quantised=shard, **kw)
-        tried = [o for o in rec.decision.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
+        tried = rec.decision.tried("fsdp", 0.5)
         rows.append({"advice": when, "recommended": rec.label,
                      "GiB per GPU": round(rec.decision.chosen.peak / GIB, 2) if rec.plan is not None else float("nan"),
-                     "FSDP + QLoRA, step GiB": round(tried[0].plan.total / GIB, 2) if tried else float("nan"),
-                     "FSDP + QLoRA, load GiB": round(tried[0].load.device / GIB, 2) if tried else float("nan"),
+                     "FSDP + QLoRA, step GiB": round(tried.plan.total / GIB, 2) if tried else float("nan"),
+                     "FSDP + QLoRA, load GiB": round(tried.load.device / GIB, 2) if tried else float("nan"),
                      "smallest usable GiB": round(min(c["memory_gib"] for c in cards) - RESERVE_GIB, 2),
                      "last step of the reasoning": rec.reasoning[-1]})
     return pd.DataFrame(rows).set_index("advice")

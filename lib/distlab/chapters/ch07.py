@@ -23,7 +23,7 @@ from distlab.chapters import ch05
 from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
 from distlab.inference.outputs import latency_stats, load_run, run_here
 from distlab.lan import host_runs
-from distlab.lan.hosts import LOOPBACK, burst_bytes, link_bits, link_bytes_per_s, rate_bits
+from distlab.lan.hosts import LOOPBACK, bucket_bytes, burst_bytes, link_bits, link_bytes_per_s, rate_bits
 from distlab.launch import local
 from distlab.launch.torchrun import torchrun_flags
 from distlab.machine import TOLERANCES, AutoParameters, pick
@@ -483,6 +483,9 @@ def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path
         ax.plot(g["Gbit/s"], g["step s"], "o-", color=color, label=f"{strategy}: measured")
         ax.plot(grid, g["step s"].iloc[-1] + sent[strategy] * 8 / (grid * 1e9), "--", color=color,
                 label=f"{strategy}: predicted, fastest step + {sent[strategy] / 1e6:.1f} MB per step / rate")
+        beyond = np.maximum(0.0, sent[strategy] - np.array([bucket_bytes(b * 1e9) for b in grid]))
+        ax.plot(grid, beyond * 8 / (grid * 1e9), ":", color=color, lw=1.5,
+                label=f"{strategy}: link floor, the bytes beyond one tbf bucket / rate")
     ax.set_xscale("log")
     ax.set_xlabel("link rate, tc tbf on each host's link (Gbit/s)")
     ax.set_ylabel("median step time (s)")

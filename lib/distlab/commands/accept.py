@@ -1,4 +1,4 @@
-"""The enterprise seed's acceptance checks, over run folders (exit 1 naming each failed check).
+"""The enterprise assistant's acceptance checks, over run folders (exit 1 naming each failed check).
 
     python -m distlab.accept build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --answers build/infer
 
@@ -31,7 +31,7 @@ from distlab.metrics import read_log
 from distlab.results import schema
 
 CHECKS = ("log fields", "activity", "answers", "throughput")
-SEED_FIELDS = ("world_size", "step_time_s", "tokens_per_s")
+REQUIRED_FIELDS = ("world_size", "step_time_s", "tokens_per_s")
 
 
 def _finite(value) -> bool:
@@ -59,7 +59,7 @@ def check_log_fields(run: Path, every: int | None) -> tuple[bool, str]:
         if rec is None:
             problems.append(f"step {step}: not logged")
             continue
-        bad = [f for f in SEED_FIELDS if not _positive(rec.get(f))]
+        bad = [f for f in REQUIRED_FIELDS if not _positive(rec.get(f))]
         if bad:
             problems.append(f"step {step}: {', '.join(f'{f}={rec.get(f)!r}' for f in bad)}")
     # the loss at every logged step, not every N: a run that diverged between two samples still wrote NaN
@@ -70,9 +70,9 @@ def check_log_fields(run: Path, every: int | None) -> tuple[bool, str]:
     problems = diverged + problems  # the worst news first
     if problems:
         more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        return False, (f"{log}: every {n} steps needs {', '.join(SEED_FIELDS)} > 0, every step a finite loss; "
+        return False, (f"{log}: every {n} steps needs {', '.join(REQUIRED_FIELDS)} > 0, every step a finite loss; "
                        + "; ".join(problems[:3]) + more)
-    return True, f"{', '.join(SEED_FIELDS)} at every {n} steps up to step {last}"
+    return True, f"{', '.join(REQUIRED_FIELDS)} at every {n} steps up to step {last}"
 
 
 def check_activity(run: Path, monitor: Path | None) -> tuple[bool | None, str]:

@@ -3,7 +3,7 @@
     python -m distlab.infer --adapter build/runs/enterprise_7b/run_4gpu/model --prompts data/prompts/demo_prompts.jsonl
 
 Loads the base model once, answers every prompt (before), wraps the same model with the LoRA adapter
-(PEFT) and answers again (after). The seed's generation settings by default: temperature 0.2, top-p 0.9,
+(PEFT) and answers again (after). The enterprise assistant's generation settings by default: temperature 0.2, top-p 0.9,
 seed 42 (re-seeded before every prompt), 220 new tokens; `--greedy` for exact determinism. The base is
 `--model`, else the one the adapter was trained on (its adapter_config.json). Writes <out>/before.jsonl and
 after.jsonl (replay files), before_after.md (prompt | before | after) and summary.json; when the prompt rows
@@ -32,7 +32,7 @@ from distlab.generate import GENERATION_DEFAULTS, attach_adapter, generate, side
 from distlab.jsonio import strict_json
 from distlab.paths import BUILD_DIR
 
-SEED_GENERATION = {**GENERATION_DEFAULTS, "max_new_tokens": 220}  # seed 000: 0.2 / 0.9 / 42 / 220
+DEMO_GENERATION = {**GENERATION_DEFAULTS, "max_new_tokens": 220}  # the enterprise assistant's: 0.2 / 0.9 / 42 / 220
 
 
 def adapter_base(adapter: Path) -> str | None:
@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", help="LoRA adapter folder (a run's model/ folder); omit for the base only")
     parser.add_argument("--model", help="base model: folder, hub id or preset (default: the adapter's base)")
     parser.add_argument("--out", default=str(BUILD_DIR / "infer"), help="folder for the replay files and table")
-    parser.add_argument("--max-new-tokens", type=int, default=SEED_GENERATION["max_new_tokens"])
-    parser.add_argument("--temperature", type=finite_float, default=SEED_GENERATION["temperature"])
-    parser.add_argument("--top-p", type=finite_float, default=SEED_GENERATION["top_p"])
-    parser.add_argument("--seed", type=int, default=SEED_GENERATION["seed"])
+    parser.add_argument("--max-new-tokens", type=int, default=DEMO_GENERATION["max_new_tokens"])
+    parser.add_argument("--temperature", type=finite_float, default=DEMO_GENERATION["temperature"])
+    parser.add_argument("--top-p", type=finite_float, default=DEMO_GENERATION["top_p"])
+    parser.add_argument("--seed", type=int, default=DEMO_GENERATION["seed"])
     parser.add_argument("--greedy", action="store_true", help="greedy decoding (ignores temperature and top-p)")
     args = parser.parse_args(argv)
     prompts = Path(args.prompts)

@@ -22,7 +22,7 @@ from distlab.cli import UsageError, finite_float, run_main
 from distlab.config import load_config, parse_override
 from distlab.planning import memory
 from distlab.planning.load import plan_load
-from distlab.planning.shapes import SEED_MODEL_IDS
+from distlab.planning.shapes import CASE_STUDY_MODEL_IDS
 
 # TrainConfig.optimizer -> the planner's optimizer (paging moves the state, it does not shrink it)
 PLANNER_OPTIMIZER = {"adamw": "adamw", "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
@@ -35,12 +35,12 @@ def model_shape_of(model: str | None) -> dict:
 
     if model in models.RANDOM_PRESETS:
         return {"vocab_size": len(models.load_tokenizer(None)), **models.RANDOM_PRESETS[model]}
-    if model in SEED_MODEL_IDS:
-        return dict(SEED_MODEL_IDS[model])
+    if model in CASE_STUDY_MODEL_IDS:
+        return dict(CASE_STUDY_MODEL_IDS[model])
     folder = Path(models.resolve_model(model))
     if not (folder / "config.json").is_file():
         raise UsageError(f"model={model!r}: no offline shape (give a folder holding config.json, a preset, or one "
-                         f"of {', '.join(SEED_MODEL_IDS)})")
+                         f"of {', '.join(CASE_STUDY_MODEL_IDS)})")
     return json.loads((folder / "config.json").read_text())
 
 

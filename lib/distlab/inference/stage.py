@@ -3,7 +3,7 @@
 The stage is built from the model's config as an empty skeleton on the meta device (no memory),
 then only the modules it runs are materialised and filled from the checkpoint (distlab.inference.
 checkpoint): a stage of half the layers holds half the layer weights, never the whole model (the
-seed loaded everything and offloaded the rest). The forward mirrors transformers' own decoder
+Slurm case study loaded everything and offloaded the rest). The forward mirrors transformers' own decoder
 forward with a cache (same mask functions, rotary embeddings, layer calls), which is what makes
 its greedy tokens identical to `model.generate()`.
 """

@@ -72,10 +72,21 @@ def link_bytes_per_s(rate: str) -> float:
     return math.nan if rate == LOOPBACK else rate_bits(rate) / 8
 
 
+BURST_S = 0.002  # tbf's bucket holds this much of the line: enough for the rate with high-resolution timers
+MIN_BURST = 64 * 2**10  # and never less than one segment the kernel hands the qdisc at once (64 KiB with GSO)
+
+
 def burst_bytes(rate: str) -> int:
-    """tbf's bucket at `rate`: big enough to keep the rate at this kernel's timer granularity. It is also what
-    the link lets through at once after an idle spell, faster than the rate (a real wire keeps no such credit)."""
-    return (10 if rate_bits(rate) > 2e9 else 1) * 2**20  # tc's 10mb / 1mb
+    """tbf's bucket at `rate`: 2 ms of the line, at least 64 KiB. It is also what the link lets through at once
+    after an idle spell, faster than the rate (a real wire keeps no such credit), so it is kept that small: a fixed
+    1 MiB bucket would be 168 ms of free line at 50 Mbit/s. Over any window of T seconds the link carries at most
+    burst + rate x T bytes: a step that sends N bytes lasts at least (N - burst) / rate (the link floor)."""
+    return bucket_bytes(rate_bits(rate))
+
+
+def bucket_bytes(bits_per_s: float) -> int:
+    """`burst_bytes` for a rate in bits per second."""
+    return max(MIN_BURST, int(bits_per_s / 8 * BURST_S))
 
 
 def tbf_args(rate: str) -> list[str]:

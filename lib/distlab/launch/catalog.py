@@ -6,7 +6,7 @@ the strategy benchmark on Kubernetes in launch/k8s/, written from `KUBE_MATRIX`.
 
 Each DEMO_MATRIX row is one run of the enterprise assistant's LoRA fine-tuning with DDP (1 GPU, 4 GPUs,
 and two LAN nodes of 4 GPUs); `demo_spec` turns a row into a LaunchSpec, torchrun.py writes it. Each
-KUBE_MATRIX row is one Indexed Job of the benchmark-framework seed (a 1-GPU smoke job, then DDP, FSDP,
+KUBE_MATRIX row is one Indexed Job of the Kubernetes case study's benchmark (a 1-GPU smoke job, then DDP, FSDP,
 ZeRO-2 and ZeRO-3 on 2 and 4 pods of one GPU); `kube_job` turns a row into a KubeJob, manifests.py
 writes its manifest and entrypoint, plus the shared Namespace, Service and Dockerfile.
 """
@@ -254,8 +254,8 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
         "1.24) with a headless Service gives each pod its node rank and a stable DNS name, which is all torchrun's "
         "static rendezvous needs, with built-in resources only. What it lacks: no gang scheduling (a job whose "
         "pods do not all fit waits with some pods holding GPUs; the DNS wait and the hard limit bound that) and no "
-        "elastic restart (a lost pod fails the run). The seed's master job, worker job and ClusterIP Service "
-        "become one Job whose pod 0 is the master.",
+        "elastic restart (a lost pod fails the run). The Kubernetes case study's master job, worker job and "
+        "ClusterIP Service become one Job whose pod 0 is the master.",
         "",
     ]
     return "\n".join(lines)

@@ -305,7 +305,7 @@ def write_files(spec: SlurmSpec, root) -> list:
 # ---------------------------------------------------------------------- the committed examples
 
 SLURM_DIR = "launch/slurm"
-SEED_IMAGE = "images/distlab-pytorch.sif"  # placeholder: the site's prebuilt PyTorch image (the Slurm report's .sif)
+SLURM_IMAGE = "images/distlab-pytorch.sif"  # placeholder: the site's prebuilt PyTorch image (the Slurm report's .sif)
 
 
 def example_specs() -> list[SlurmSpec]:
@@ -319,11 +319,11 @@ def example_specs() -> list[SlurmSpec]:
         SlurmSpec("pipeline-2node-gpu-apptainer", args=common, nodes=2, tasks_per_node=1, cpus_per_task=4,
                   gpus_per_task=1, time="00:30:00", partition="gpu", model_dir="models/open_llama_3b",
                   out_dir="build/runs/06_slurm", env={"NCCL_DEBUG": "WARN"},
-                  container=Container(SEED_IMAGE, runtime="apptainer", gpu_flag="--nv",
+                  container=Container(SLURM_IMAGE, runtime="apptainer", gpu_flag="--nv",
                                       workspace="build/workspace"),
                   script_dir=f"{SLURM_DIR}/pipeline-2node-gpu-apptainer",
-                  description="The seed's shape: 2 nodes x 1 GPU, 4 CPUs per task, 30 min, Apptainer with --nv "
-                              "(rendered and checked, never executed here)"),
+                  description="The Slurm case study's shape: 2 nodes x 1 GPU, 4 CPUs per task, 30 min, Apptainer "
+                              "with --nv (rendered and checked, never executed here)"),
     ]
 
 
@@ -363,7 +363,7 @@ def example_files() -> dict[str, str]:
         "",
         "The Apptainer variant is rendered, golden-tested and shellchecked only: Apptainer/Singularity are not "
         "installable on the machines that wrote it. Its image and model folder are placeholders "
-        f"(`{SEED_IMAGE}`, `models/open_llama_3b`); nothing is pip-installed inside the job. "
+        f"(`{SLURM_IMAGE}`, `models/open_llama_3b`); nothing is pip-installed inside the job. "
         "Each stage runs where its task is: with `--device auto` (the default) a task that sees a GPU puts its stage "
         "on it (the GPU of its `SLURM_LOCALID`, bf16 weights, NCCL between stages) and one that sees none runs on "
         "CPU (fp32, gloo); `--device cpu` or `--device cuda` forces either. The one-machine cluster has no GPUs, so "

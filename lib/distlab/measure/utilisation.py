@@ -286,6 +286,11 @@ Event = tuple[float, str]  # (time, label): an instant, such as a kill or a rest
 LABEL_PITCH_IN = 0.17  # horizontal room one rotated label of the phase strip needs, in inches
 
 
+# the instants `events` marks, in time order: the first red, the second green (chapter 02's fault demo: the
+# death of a rank, then the resumed run), told apart by colour as well as by their labels
+EVENT_COLOURS = ("crimson", "forestgreen", "darkorange", "purple")
+
+
 def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapping[str, Any],
                      title: str | None = None, *, spans: Sequence[Span] = (), events: Sequence[Event] = (),
                      min_mib: float = 0.0):
@@ -334,10 +339,11 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
         for ax, alpha in ((ax_strip, 0.6), (ax_util, 0.18), (ax_mem, 0.18)):
             ax.axvspan(t0, t1, color=colour, alpha=alpha, lw=0)
         marks.append(((t0 + t1) / 2, text, "black"))
+    colour_of = {e: EVENT_COLOURS[i % len(EVENT_COLOURS)] for i, e in enumerate(sorted(events))}
     for t, text in events:
         for ax in (ax_util, ax_mem):  # not in the strip: there the event's label stands at its time
-            ax.axvline(t, color="crimson", ls="--", lw=1)
-        marks.append((t, text, "crimson"))
+            ax.axvline(t, color=colour_of[t, text], ls="--", lw=1)
+        marks.append((t, text, colour_of[t, text]))
     fig.tight_layout()
     if spans:
         _label_strip(fig, ax_strip, marks)
@@ -346,11 +352,11 @@ def plot_utilization(csv_path: str | Path, out_png: str | Path, provenance: Mapp
         ax_strip.set_ylim(0, 1)
         lo, hi = ax_strip.get_xlim()
         for i, (t, text) in enumerate(sorted(events)):
-            ax_strip.axvline(t, color="crimson", ls="--", lw=1)
+            ax_strip.axvline(t, color=colour_of[t, text], ls="--", lw=1)
             right = t > lo + 0.75 * (hi - lo)  # near the right edge the label stands left of its line
             ax_strip.annotate(text, (t, 0.7 if i % 2 == 0 else 0.25), xytext=(-3 if right else 3, 0),
                               textcoords="offset points", ha="right" if right else "left", va="center", fontsize=7,
-                              color="crimson")
+                              color=colour_of[t, text])
     save_figure(fig, out_png, dict(provenance))
     return fig
 

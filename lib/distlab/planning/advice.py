@@ -195,6 +195,12 @@ class Decision:
     def smallest_usable(self) -> float:
         return min(self.usable_gib)
 
+    def tried(self, strategy: str, weight_bytes: float | None = None) -> Option | None:
+        """The first option weighed with `strategy` (at `weight_bytes`, any when None), or None if the tree
+        stopped before it."""
+        return next((o for o in self.options if o.strategy == strategy
+                     and (weight_bytes is None or o.weight_bytes == weight_bytes)), None)
+
     def option(self, strategy: str, weight_bytes: float | None = None, offload: bool = False) -> Option:
         wb = self.weight_bytes if weight_bytes is None else weight_bytes
         return next(o for o in self.options
@@ -367,7 +373,7 @@ def explain(d: Decision) -> list[str]:
     lines.append(f"   NO: even sharded evenly, each GPU would need {_needs(sharded)} "
                  f"({'FSDP' if d.sharded == 'fsdp' else 'ZeRO-3'}) > {smallest:.1f} GiB.")
 
-    tried_tp = [o for o in d.options if o.strategy == "fsdp_tp"]
+    tried_tp = d.tried("fsdp_tp")
     if d.outcome == "tp_fits":
         lines.append(f"3. The link is fast ({link:g} Gbit/s): tensor parallelism in pairs of GPUs, FSDP across the "
                      f"{n // 2} pairs (fsdp_tp), needs {_needs(d.chosen)} per GPU <= {smallest:.1f}: "
@@ -376,7 +382,7 @@ def explain(d: Decision) -> list[str]:
                      f"{d.chosen.comm_bytes / 1e9:.1f} GB per step: keep each pair on one node.")
         return lines
     if tried_tp:
-        lines.append(f"   FSDP x TP (pairs, fast link) would need {_needs(tried_tp[0])}: too much "
+        lines.append(f"   FSDP x TP (pairs, fast link) would need {_needs(tried_tp)}: too much "
                      "too.")
     if d.outcome == "quantise":
         q = d.chosen
@@ -391,9 +397,9 @@ def explain(d: Decision) -> list[str]:
         tried = [o for o in d.options if o.strategy == "ddp" and o.weight_bytes < d.weight_bytes]
         smallest_replica = f" (a {_bits(tried[-1].weight_bytes)} replica needs {_needs(tried[-1])}" \
             if tried else ""
-        sharded_4bit = [o for o in d.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
+        sharded_4bit = d.tried("fsdp", 0.5)
         if tried:
-            smallest_replica += (f"; a 4-bit base sharded by FSDP needs {_needs(sharded_4bit[0])})" if sharded_4bit
+            smallest_replica += (f"; a 4-bit base sharded by FSDP needs {_needs(sharded_4bit)})" if sharded_4bit
                                  else ")")
         lines.append(f"4. Nothing fits{smallest_replica}: " + ("use shorter sequences, more GPUs or a smaller model."
                      if tried else "use LoRA with quantised weights, shorter sequences, activation checkpointing, "
@@ -423,17 +429,16 @@ def _sharded_4bit_line(d: Decision) -> str:
 
 def _quantised_fallback_lines(d: Decision) -> list[str]:
     lines = ["2. ZeRO cannot shard bitsandbytes' weights; FSDP shards a 4-bit base only."]
-    replica4 = [o for o in d.options if (o.strategy, o.weight_bytes) == ("ddp", 0.5) and d.weight_bytes > 0.5]
-    if replica4:
-        r = replica4[0]
+    r = d.tried("ddp", 0.5) if d.weight_bytes > 0.5 else None
+    if r:
         lines.append(f"3. A 4-bit replica needs {_needs(r)}" +
                      (" -> DDP with 4-bit weights." if d.outcome == "quantise" else ": too much."))
     if d.outcome == "quantise_and_shard":
         lines.append("4. " + _sharded_4bit_line(d))
     elif d.outcome == "nothing_fits":
-        tried = [o for o in d.options if (o.strategy, o.weight_bytes) == ("fsdp", 0.5)]
+        tried = d.tried("fsdp", 0.5)
         lines.append(f"4. Nothing fits: a 4-bit base sharded over {len(d.devices)} GPUs needs "
-                     f"{_needs(tried[0])} per GPU." if tried else
+                     f"{_needs(tried)} per GPU." if tried else
                      "4. Nothing fits with one replica per GPU: shard the 4-bit base (FSDP + QLoRA), use shorter "
                      "sequences, more GPUs or a smaller model.")
     return lines

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.config import PIPELINE_STRATEGIES
-from distlab.planning.plan import plan_memory, quantisation_of, resolve_precision
+from distlab.planning.plan import largest_held, plan_memory, quantisation_of, resolve_precision
 from distlab.planning.shapes import config_value, parameter_count, parameter_layout
 
 SLICE_STRATEGIES = ("fsdp", "tp", "fsdp_tp")  # read only their slices from a safetensors checkpoint
@@ -87,7 +87,8 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
         base_whole = one.weights + (0 if lora else one.adapter_weights)
         pages = file_whole * base_kept / base_whole
         device = kept
-        largest_slice = largest / world_size
+        largest_slice = largest_held(parameter_layout(config, None), strategy, world_size,
+                                     plan_kwargs.get("tp_size"), plan_kwargs.get("vocab_parallel", False))
         cast = 0.0 if on_gpu else largest_slice * checkpoint_bytes  # read in the file's dtype, then cast
         host = pages + cast
     elif path == "partitioned":  # transformers: rank 0 copies the values in while each module is gathered

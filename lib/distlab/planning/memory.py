@@ -39,13 +39,13 @@ from distlab.planning.plan import (
 )
 from distlab.planning.shapes import (
     ATTENTION_PROJECTIONS,
+    CASE_STUDY_MODELS,
     LLAMA2_7B,
     LLAMA2_13B,
     MLP_PROJECTIONS,
     QWEN3_06B,
     QWEN25_3B,
     QWEN25_7B,
-    SEED_MODELS,
     ParamSpec,
     activation_bytes_estimate,
     linear_shapes,
@@ -61,7 +61,7 @@ GIB = 1024**3
 __all__ = [
     # distlab.planning.shapes
     "ATTENTION_PROJECTIONS", "LLAMA2_7B", "LLAMA2_13B", "MLP_PROJECTIONS", "QWEN25_3B", "QWEN25_7B", "QWEN3_06B",
-    "SEED_MODELS",
+    "CASE_STUDY_MODELS",
     "ParamSpec", "activation_bytes_estimate", "linear_shapes", "lora_parameter_count", "optimizer_groups",
     "parameter_count", "parameter_layout",
     # distlab.planning.plan

@@ -404,14 +404,41 @@ def tp_sliced(name: str) -> bool:
     return False
 
 
+def tp_held(p: ParamSpec, world: int, vocab_parallel: bool = False) -> int:
+    """Elements of `p` one tensor-parallel rank holds: a slice of the tensors `tp_sliced` names (and of the
+    embedding and LM head when `vocab_parallel` cuts them), the whole of the rest."""
+    sliced = tp_sliced(p.name) or (vocab_parallel and p.name in VOCAB_TENSORS)
+    return _chunk(p.numel, world) if sliced else p.numel
+
+
+def fsdp_tp_held(p: ParamSpec, tp: int, dp: int) -> int:
+    """Elements of `p` one rank of a (dp, tp) mesh holds: its tp slice (or the whole tensor), cut in dp shards."""
+    return _chunk(_chunk(p.numel, tp), dp) if tp_sliced(p.name) else _fsdp_shard(p, dp)
+
+
+def resolve_tp_size(strategy: str, world_size: int, tp_size: int | None) -> int:
+    """Ranks per tensor-parallel group: as given, else 2 for fsdp_tp and every rank for tp."""
+    return tp_size or (2 if strategy == "fsdp_tp" else world_size)
+
+
+def largest_held(layout: Sequence[ParamSpec], strategy: str, world_size: int, tp_size: int | None = None,
+                 vocab_parallel: bool = False) -> int:
+    """Elements of the largest part of one tensor a rank of fsdp, tp or fsdp_tp holds: what a sharded load
+    reads (and, on a CPU, casts) in one piece. tp keeps the embedding whole unless `vocab_parallel`."""
+    tp = resolve_tp_size(strategy, world_size, tp_size)
+    held = {"fsdp": lambda p: _fsdp_shard(p, world_size),
+            "tp": lambda p: tp_held(p, world_size, vocab_parallel),
+            "fsdp_tp": lambda p: fsdp_tp_held(p, tp, world_size // tp)}[strategy]
+    return max(held(p) for p in layout)
+
+
 def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     """Tensor parallelism: every decoder layer's projections (and the q/k/v biases, and one LoRA factor of each
     adapted projection: `tp_sliced`) cut in `world` slices; the norms whole on every rank, and the embedding and LM
     head too unless `vocab_parallel` cuts them by vocabulary rows.
     Activations: the layer inputs and outputs whole, the per-head and FFN-width ones sliced."""
     def held(p):
-        sliced = tp_sliced(p.name) or (s.vocab_parallel and p.name in VOCAB_TENSORS)
-        return _chunk(p.numel, s.world_size) if sliced else p.numel
+        return tp_held(p, s.world_size, s.vocab_parallel)
 
     held_t = sum(held(p) for p in s.trained)
     w, a = s.split(s.frozen_bytes(held), held_t * s.trainable_bytes)
@@ -429,7 +456,7 @@ def plan_fsdp_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
     dp = s.world_size // tp
 
     def held(p):
-        return _chunk(_chunk(p.numel, tp), dp) if tp_sliced(p.name) else _fsdp_shard(p, dp)
+        return fsdp_tp_held(p, tp, dp)
 
     def gathered(p):
         return _chunk(p.numel, tp) if tp_sliced(p.name) else p.numel
@@ -498,7 +525,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     if strategy == "single":
         world_size = 1
     stages = pipeline_stages or world_size
-    tp = tp_size or (2 if strategy == "fsdp_tp" else world_size)
+    tp = resolve_tp_size(strategy, world_size, tp_size)
     if strategy == "fsdp_tp" and world_size % tp:
         raise ValueError(f"world_size {world_size} is not a multiple of tp_size {tp}")
     if vocab_parallel and strategy != "tp":

@@ -2,7 +2,7 @@
 yields it, LoRA's adapters, and the activations autograd keeps per micro-batch (chapters 01, 03).
 
 Works for any Llama/Qwen2/Qwen3-style HF causal-LM config, as an object or a dict, so 7B-class
-models are planned without their weights. The seed models' published shapes are here too.
+models are planned without their weights. The case studies' models' published shapes are here too.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ QWEN25_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
                  model_type="qwen3")
-SEED_MODELS = {"Llama-2-7B": LLAMA2_7B, "Qwen2.5-7B-Instruct": QWEN25_7B, "Qwen2.5-3B-Instruct": QWEN25_3B,
+CASE_STUDY_MODELS = {"Llama-2-7B": LLAMA2_7B, "Qwen2.5-7B-Instruct": QWEN25_7B, "Qwen2.5-3B-Instruct": QWEN25_3B,
                "Qwen3-0.6B": QWEN3_06B}
 # Their hub ids, so a config naming one is planned offline (distlab.commands.plan).
-SEED_MODEL_IDS = {"meta-llama/Llama-2-7b-hf": LLAMA2_7B, "meta-llama/Llama-2-13b-hf": LLAMA2_13B,
+CASE_STUDY_MODEL_IDS = {"meta-llama/Llama-2-7b-hf": LLAMA2_7B, "meta-llama/Llama-2-13b-hf": LLAMA2_13B,
                   "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
                   "Qwen/Qwen2.5-3B-Instruct": QWEN25_3B, "Qwen/Qwen3-0.6B": QWEN3_06B}
 

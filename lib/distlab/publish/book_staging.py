@@ -4,9 +4,9 @@ tables, staged in one folder, with the generated `_toc.yml` and `results.md`.
 `stage(SOURCE, OUT/src)` copies the hand-written pages of SOURCE (`_config.yml`, `intro.md`, ...), the
 executed notebooks of SOURCE/notebooks (written there by `python -m distlab.publish.regenerate`) and
 the figures and tables of `figures/` with their `*.provenance.json` sidecars, then writes `_toc.yml`
-(intro, the front pages such as the workshop guide, one page per notebook in numeric order, the appendix
-pages `appendix_*.md`, results) and `results.md` (every figure with the provenance line from its sidecar,
-and every table).
+(intro, the front pages such as the workshop guide and the case studies, one page per notebook in numeric
+order, the appendix pages `appendix_*.md`, results) and `results.md` (every figure with the provenance line
+from its sidecar, and every table).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ PROVENANCE_SUFFIX = ".provenance.json"
 CSV_INLINE_MAX_ROWS = 40
 CSV_INLINE_MAX_COLS = 12
 GENERATED = ("_toc.yml", "results.md")
-FRONT_PAGES = ("workshop",)  # hand-written pages between the intro and the chapters, in this order
+FRONT_PAGES = ("workshop", "case_studies")  # hand-written pages between the intro and the chapters, in this order
 # Subfolders of figures/ holding dated measurements from machines CI has not got (figures/gpu: a lent GPU,
 # with the commit, device, driver and CUDA in each sidecar). The freshness check reads figures/ alone.
 RECORDED_ELSEWHERE = ("gpu",)
@@ -95,8 +95,8 @@ def extra_pages(src_dir: str | Path) -> tuple[list[Path], list[Path]]:
 
 
 def write_toc(src_dir: str | Path, chapters: Sequence[Chapter]) -> Path:
-    """`_toc.yml` (jb-book): the intro as root, the front pages (the workshop guide), one chapter per
-    notebook, the appendix pages, then the results page."""
+    """`_toc.yml` (jb-book): the intro as root, the front pages (the workshop guide, the case studies), one
+    chapter per notebook, the appendix pages, then the results page."""
 
     front, appendices = extra_pages(src_dir)
     entries = [{"file": p.stem, "title": page_title(p)} for p in front]

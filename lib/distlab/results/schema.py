@@ -54,7 +54,7 @@ COLUMNS: dict[str, str] = {
     "peak_mem_bytes_per_rank": "peak_mem_bytes of each rank, rank 0 first, joined by ';'",
     "mfu": "model FLOP utilisation: tokens_per_s x model FLOPs per token / (world_size x peak FLOP/s of one "
            "device), model FLOPs as PaLM counts them (distlab.metrics.train_flops_per_token: the layers at every "
-           "real token, the LM head at label tokens, attention over the whole row); only where the run's log "
+           "real token, the LM head at label tokens, attention within each document); only where the run's log "
            "has its start record",
     "mean_loss": "mean training loss over every logged step (warm-up included: it is a result, not a timing)",
     "final_loss": "training loss of the last step",

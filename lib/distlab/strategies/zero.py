@@ -73,7 +73,9 @@ class ZeroStrategy(DistributedStrategy):
         if self.stage < 3:
             return super().load_context(cfg, choice)
         self.loaded_partitioned = True
-        return sharded_load.zero3_init(self.engine_config(cfg, choice))
+        # the weights' dtype once the engine holds them: DeepSpeed's bf16 mode casts to bf16, else the run's
+        bf16_mode = choice.autocast_dtype == torch.bfloat16
+        return sharded_load.zero3_init(self.engine_config(cfg, choice), torch.bfloat16 if bf16_mode else choice.dtype)
 
     def engine_config(self, cfg, choice: DeviceChoice, n_trained: int | None = None) -> dict[str, Any]:
         return deepspeed_config(cfg, self.data_parallel_size, self.stage, bf16=choice.autocast_dtype == torch.bfloat16,
@@ -84,6 +86,12 @@ class ZeroStrategy(DistributedStrategy):
 
         if not self.loaded_partitioned:  # partitioned weights are on their device already; the engine moves the rest
             model = model.to(choice.device)
+        elif choice.autocast_dtype == torch.bfloat16:
+            # DeepSpeed's bf16 mode casts a module to bf16, but skips one built under zero.Init (its weights
+            # are bf16 already); PEFT's adapters came after, in fp32. Cast them as stage 2 and the planner do.
+            for p in model.parameters():
+                if not hasattr(p, "ds_id") and p.is_floating_point() and p.dtype != torch.bfloat16:
+                    p.data = p.data.to(torch.bfloat16)
         optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay)
         n_trained = sum(whole_shape(p).numel() for p in model.parameters() if p.requires_grad)
         self.ds_config = self.engine_config(cfg, choice, n_trained)
