@@ -60,8 +60,10 @@ def test_book_builds_and_every_page_loads_in_a_browser(executed):
         pytest.fail(f"headless chromium is required for the site check: {why}")
     # Pages with maths must render offline: MathJax comes from npm once (make book does the same).
     assert mathjax.find_mathjax() or mathjax.fetch_mathjax(), "could not install MathJax from npm"
-    for table in paths.FIGURES_DIR.glob("bench_*"):  # the appendix's tables: `make benchmarks`, not a notebook
-        shutil.copy(table, figures / table.name)
+    for sidecar in paths.FIGURES_DIR.glob("*.provenance.json"):  # the appendix's tables: `make benchmarks`, not a
+        if "benchmark" in json.loads(sidecar.read_text()):  # notebook, made them: each sidecar names its benchmark
+            for made in (sidecar, sidecar.with_name(sidecar.name.removesuffix(".provenance.json"))):
+                shutil.copy(made, figures / made.name)
     shutil.copytree(paths.FIGURES_DIR / "gpu", figures / "gpu", dirs_exist_ok=True)  # dated records of a lent GPU
     built = book_build.build(paths.BOOK_DIR, root / "_build", figures_dir=figures, notebooks_dir=out,
                        summary_path=work / "summary.json")
