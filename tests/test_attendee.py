@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 
+from distlab import paths
 from distlab.publish import attendee
 
 
@@ -27,9 +28,10 @@ def test_the_reduced_path_keeps_every_tool_but_the_hidden_ones(tmp_path):
 def test_every_chapter_runs_once_and_after_the_chapter_it_reads():
     lanes = attendee.split_lanes(None, 2)
     flat = [c for lane in lanes for c in lane]
-    assert sorted(flat) == ["00", "01", "02", "03", "04", "05", "06", "07"] and len(set(flat)) == len(flat)
-    for first, then in (("00", "02"), ("01", "06"), ("05", "07")):  # 02 reads 00's limits, 06 01's adapter;
-        # 05 and 07 both start the emulated LAN on one fixed port: never side by side
+    assert sorted(flat) == ["00", "01", "02", "03", "04", "05", "06", "07", "08"] and len(set(flat)) == len(flat)
+    assert sorted(flat) == sorted(nb.name[:2] for nb in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb")), "a lane each"
+    for first, then in (("00", "02"), ("01", "06"), ("05", "08")):  # 02 reads 00's limits, 06 01's adapter;
+        # 05 and 08 both start the emulated LAN on one fixed port: never side by side
         lane = next(lane for lane in lanes if then in lane)
         assert first in lane and lane.index(first) < lane.index(then)
     assert attendee.split_lanes(["06", "01"], 1) == [["01", "06"]]

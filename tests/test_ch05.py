@@ -13,7 +13,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from distlab.batching import ideal_speedups, ideal_step_ratio, predicted_step_ratio, rows_per_rank
+from distlab.batching import (
+    ideal_speedups,
+    ideal_step_ratio,
+    predicted_step_ratio,
+    rows_per_rank,
+    step_ratio_with_fixed,
+)
 from distlab.bench import lan_balance, lan_ddp
 from distlab.chapters import ch05
 from distlab.lan import host_runs, hosts
@@ -41,6 +47,13 @@ def test_the_speedups_over_the_fastest_host():
     assert ideal_speedups([1, 1]) == pytest.approx({"even": 2.0, "balanced": 2.0})
 
 
+def test_the_fixed_part_of_a_step_is_what_the_naive_step_holds_beyond_its_compute():
+    # speeds 10 and 5 rows/s: naive 6 + 6 rows compute 1.2 s, balanced 8 + 4 rows 0.8 s; the naive step took 1.5 s
+    ratio, fixed = step_ratio_with_fixed([10, 5], [8, 4], [6, 6], naive_step_s=1.5)
+    assert fixed == pytest.approx(0.3) and ratio == pytest.approx((0.8 + 0.3) / 1.5)
+    assert step_ratio_with_fixed([10, 5], [8, 4], [6, 6], naive_step_s=1.0) == pytest.approx((0.8 / 1.2, 0.0))
+
+
 def fake_result(quotas, naive_s, balanced_s, tokens=1000.0):
     world = len(quotas)
     return {"quotas": quotas, "rows_per_s": [10 * q for q in quotas], "naive_split": [6] * world,
@@ -48,6 +61,7 @@ def fake_result(quotas, naive_s, balanced_s, tokens=1000.0):
             "naive_step_s": naive_s, "balanced_step_s": balanced_s, "ratio": balanced_s / naive_s,
             "naive_step_s_rounds": [naive_s], "balanced_step_s_rounds": [balanced_s],
             "theory_ratio": ideal_step_ratio(quotas), "predicted_ratio": 0.7, "ideal_speedups": ideal_speedups(quotas),
+            "predicted_ratio_with_fixed": 0.75, "fixed_s": 0.1,
             "naive_tokens_per_s": tokens / naive_s, "balanced_tokens_per_s": tokens / balanced_s,
             "naive_curves": {"loss": [2.0, 1.5], "grad_norm": [0.5, 0.4]},
             "balanced_curves": {"loss": [2.0, 1.5 + 1e-6], "grad_norm": [0.5, 0.4]}}
@@ -79,7 +93,7 @@ def test_the_fallback_says_why_and_what_it_loses():
     line = ch05.mode(local)
     assert line.startswith("mode: FALLBACK to localhost, because asked for localhost")
     assert "not shaped" in line and "skipped" in line and "once on loopback" in line
-    assert "skipped" not in ch05.mode(local, demos=False)  # chapter 07: no failure demos to skip
+    assert "skipped" not in ch05.mode(local, demos=False)  # chapter 08: no failure demos to skip
     table = ch05.prerequisites(EXAMPLES["the book's build VM, 2 cores, root"]).set_index("prerequisite")
     assert {"needed for", "present here"} == set(table.columns) and len(table) == 5
     assert table["present here"][["Linux", "root (CAP_NET_ADMIN)", "`ip` and `tc` (iproute2)"]].all()

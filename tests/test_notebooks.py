@@ -1,8 +1,8 @@
 """Every chapter end to end, as a workshop attendee runs it (distlab.publish.attendee: papermill with the quick
 profile as a normal user, one core per chapter, no timeout/ip/tc/Slurm/compiler on PATH), then the Jupyter Book
 build from those executed chapters, and every page checked in headless Chromium. Writes only to a temporary
-folder. The root-only paths of chapters 05-07 (emulated hosts, the Slurm cluster) run in `make book`, and their
-mechanisms in tests/test_lan*.py, test_slurm.py, test_inference_resume.py and test_tp_links.py."""
+folder. The root-only paths of chapters 05, 06 and 08 (emulated hosts, the Slurm cluster) run in `make book`, and
+their mechanisms in tests/test_lan*.py, test_slurm.py, test_inference_resume.py and test_tp_links.py."""
 
 from __future__ import annotations
 

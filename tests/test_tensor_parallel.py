@@ -1,7 +1,8 @@
 """Tensor parallelism (chapter 07): the `tp` strategy's registration, refusals and plan, the collective counter,
 the notebook's by-hand split (in one process, then under torchrun) and its vocabulary-parallel loss, the `tp`
 run (with and without sequence parallelism) against one device, and the bytes a step sends under ddp, fsdp, tp
-and tp + sequence parallelism, formula against counted."""
+and tp + sequence parallelism, formula against counted; and the 2-D `fsdp_tp` layout that chapter 08 runs (its
+planner, its refusals, its loss under sequence parallelism and LoRA)."""
 
 from __future__ import annotations
 

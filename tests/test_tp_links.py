@@ -1,7 +1,8 @@
-"""Tensor parallelism across a slow link (chapter 07, section 10): the bytes each strategy sends per step
+"""Tensor parallelism across a slow link (chapter 08, section 4): the bytes each strategy sends per step
 against the formula and the planner, the runs of the sweep (the same rows per step), the table's
 arithmetic, the figure, and the localhost fallback, which runs once on loopback, says so and labels nothing with
-a rate; the devices, dtypes and loss tolerance chapter 07's `auto` parameters give each machine."""
+a rate; chapter 08's meshes drawn and its 2-D run's rows; the devices, dtypes and loss tolerance that the `auto`
+parameters of chapters 07 and 08 give each machine (chapter 07's, which chapter 08 imports)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from distlab import machine
 from distlab.bench.lan_ddp import BASE_CONFIG
-from distlab.chapters import ch07
+from distlab.chapters import ch07, ch08
 from distlab.lan.hosts import LOOPBACK
 from distlab.machine import example_machines
 
@@ -23,16 +24,16 @@ STAMP = {"device": "test", "model": "tiny", "world_size": 2, "commit": "x", "dat
 
 def test_link_bytes_are_dtensors_count_and_the_planners_lora_gradients():
     config = json.loads(BASE_CONFIG.read_text())  # the tiny model's shape, without loading it
-    sent = ch07.link_bytes(config, rows=4, seq_len=64)
+    sent = ch08.link_bytes(config, rows=4, seq_len=64)
     activation = 4 * 64 * config["hidden_size"] * 4  # one b x s x h fp32 tensor
     # 2 forward + 5 backward all-reduces per layer: what a CollectiveCounter counts in a full fine-tuning step
     assert sent["tp"] == config["num_hidden_layers"] * 7 * activation == 7_340_032
     assert sent["ddp"] == 1_183_744  # 295,936 LoRA parameters x 4 bytes: what DDP's buckets carry per step
-    assert ch07.link_prediction(sent, ["1gbit"]).loc["1gbit", "tp"] == pytest.approx(7_340_032 * 8 / 1e9)
+    assert ch08.link_prediction(sent, ["1gbit"]).loc["1gbit", "tp"] == pytest.approx(7_340_032 * 8 / 1e9)
 
 
 def test_every_rate_runs_both_strategies_on_the_same_rows_fastest_first():
-    runs = ch07.link_runs(["50mbit", "10gbit"], rows=4, seq_len=64)
+    runs = ch08.link_runs(["50mbit", "10gbit"], rows=4, seq_len=64)
     assert [(r.rate, r.overrides["strategy"]) for r in runs] == [
         ("10gbit", "tp"), ("10gbit", "ddp"), ("50mbit", "tp"), ("50mbit", "ddp")]
     rows = {r.overrides["strategy"]: r.overrides["micro_batch_size"] * (1 if r.overrides["strategy"] == "tp" else 2)
@@ -46,14 +47,14 @@ def test_the_table_sets_the_slow_down_beside_bytes_over_rate_and_the_figure_is_s
                           for rate, gbit, s, step in [("10gbit", 10, "tp", 0.3), ("10gbit", 10, "ddp", 0.2),
                                                       ("50mbit", 0.05, "tp", 1.5), ("50mbit", 0.05, "ddp", 0.25)]])
     sent = {"tp": 7e6, "ddp": 1e6}
-    table = ch07.link_table(sweep, sent)
+    table = ch08.link_table(sweep, sent)
     assert table.loc[("50mbit", "tp"), "slow-down (s)"] == pytest.approx(1.2)
     assert table.loc[("50mbit", "tp"), "bytes / rate (s)"] == pytest.approx(1.12)
     # one bucket passes free: 64 KiB at 50 Mbit/s (its 2 ms of line would be less), 2.5 MB (2 ms) at 10 Gbit/s
     assert table.loc[("50mbit", "tp"), "link floor (s)"] == pytest.approx((7e6 - 2**16) * 8 / 50e6, abs=1e-3)
     assert table.loc[("10gbit", "tp"), "link floor (s)"] == pytest.approx((7e6 - 2.5e6) * 8 / 10e9, abs=1e-3)
     assert table.loc[("10gbit", "ddp"), "slow-down (s)"] == 0
-    out = ch07.link_figure(sweep, sent, tmp_path / "07_link_rate.png", STAMP)
+    out = ch08.link_figure(sweep, sent, tmp_path / "08_link_rate.png", STAMP)
     assert out.stat().st_size > 10_000
 
 
@@ -66,13 +67,20 @@ def test_on_loopback_the_table_and_figure_carry_no_link_rate(tmp_path):
     sweep = pd.DataFrame([{"rate": LOOPBACK, "Gbit/s": math.nan, "strategy": s, "step s": step,
                            "placement": "localhost"} for s, step in (("tp", 0.4), ("ddp", 0.2))])
     sent = {"tp": 7e6, "ddp": 1e6}
-    assert ch07.why_unshaped(sweep) == "the links are loopback, not shaped (localhost fallback)"
-    table = ch07.link_table(sweep, sent)
+    assert ch08.why_unshaped(sweep) == "the links are loopback, not shaped (localhost fallback)"
+    table = ch08.link_table(sweep, sent)
     assert list(table.columns) == ["step s", "MB per step"] and list(table.index) == [(LOOPBACK, "tp"),
                                                                                        (LOOPBACK, "ddp")]
-    text = figure_text(ch07.link_figure(sweep, sent, tmp_path / "07_link_rate.svg", STAMP))
+    text = figure_text(ch08.link_figure(sweep, sent, tmp_path / "08_link_rate.svg", STAMP))
     assert "loopback, not shaped" in text and "7.0 MB per step" in text
     assert not re.search(r"\d+ ?[mgk]bit|Gbit/s|link rate,", text, re.I), text
+
+
+def test_the_meshes_are_drawn_and_the_2d_run_splits_the_rows_over_its_groups(tmp_path):
+    assert ch08.draw_mesh_2d(tmp_path / "08_mesh_2d.png", STAMP).stat().st_size > 10_000
+    assert ch08.draw_hsdp_and_3d(tmp_path / "08_hsdp_3d.png", STAMP).stat().st_size > 10_000
+    with pytest.raises(ValueError, match="does not split over 2 data-parallel groups"):
+        ch08.train_one_and_2d({"micro_batch_size": 3})  # refused before anything is launched
 
 
 def test_auto_devices_and_the_loss_tolerance_follow_the_machine():
@@ -87,11 +95,12 @@ def test_auto_devices_and_the_loss_tolerance_follow_the_machine():
     node = machine.auto_parameters(examples["GPU node, 8 x 80 GiB, 64 cores"])
     assert ch07.run_devices("cpu", "fp32", node) == ({"device": "cpu", "dtype": "fp32"},) * 2  # explicit wins
     assert ch07.rank_needs("cuda", 4) == ("gpus:4",) and ch07.rank_needs("cpu", 4) == ()
+    assert ch08.run_devices is ch07.run_devices and ch08.loss_tolerance is ch07.loss_tolerance  # one definition
 
 
 @pytest.mark.slow
 def test_the_localhost_fallback_runs_both_strategies_once_on_loopback_and_says_so(capsys):
-    sweep, mode = ch07.link_sweep(["1gbit", "50mbit"], steps=3, force_local=True, timeout_s=240)
+    sweep, mode = ch08.link_sweep(["1gbit", "50mbit"], steps=3, force_local=True, timeout_s=240)
     assert mode.startswith("mode: FALLBACK to localhost") and "not shaped" in mode
     assert "falling back to localhost agents" in capsys.readouterr().out
     assert list(sweep.strategy) == ["tp", "ddp"] and (sweep.placement == "localhost").all()

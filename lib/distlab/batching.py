@@ -54,6 +54,18 @@ def predicted_step_ratio(rows_per_s: Sequence[float], balanced: Sequence[int], n
     return step(balanced) / step(naive)
 
 
+def step_ratio_with_fixed(rows_per_s: Sequence[float], balanced: Sequence[int], naive: Sequence[int],
+                          naive_step_s: float) -> tuple[float, float]:
+    """(balanced / naive step time with a step's fixed part in both, that part in seconds). The fixed part F
+    is what the measured naive step holds beyond its compute at the measured speeds: the all-reduce, the
+    optimizer step and the loop's own work, which no split of the rows shortens. (C_b + F) / (C_n + F).
+    A naive step shorter than its compute at those speeds (a host faster than its calibration) gives F = 0."""
+    def compute(counts):
+        return max(c / r for c, r in zip(counts, rows_per_s))
+    fixed = max(0.0, naive_step_s - compute(naive))
+    return (compute(balanced) + fixed) / (compute(naive) + fixed), fixed
+
+
 def ideal_step_ratio(speeds: Sequence[float]) -> float:
     """Balanced / naive step time when compute is all a step costs. Naive: every rank takes the same rows,
     so the slowest sets the pace (throughput world x min speed); balanced: every rank finishes together

@@ -112,7 +112,7 @@ class TrainConfig:
     # pipeline: "1f1b" | "gpipe" | "interleaved" (2 model chunks per rank); ds_pipeline always runs DeepSpeed's 1F1B
     pipeline_schedule: str = "1f1b"
     stage_layers: list[int] | None = None  # decoder layers per stage, e.g. [3, 1]; None: balanced by count
-    # tensor parallelism (chapter 07): ranks per tensor-parallel group; None: all ranks (tp), 2 (fsdp_tp)
+    # tensor parallelism (chapters 07, 08): ranks per tensor-parallel group; None: all ranks (tp), 2 (fsdp_tp)
     tp_size: int | None = None
     # tp / fsdp_tp: activations between blocks sharded along the sequence (norms on s / tp tokens); all-gather
     # and reduce-scatter replace each block's all-reduce

@@ -60,7 +60,7 @@ class Machine:
 
     @property
     def netns(self) -> bool:
-        """Network namespaces with shaped links (chapters 05 and 07): Linux, root and iproute2."""
+        """Network namespaces with shaped links (chapters 05 and 08): Linux, root and iproute2."""
         return self.system == "Linux" and self.root and self.network_tools
 
     @property

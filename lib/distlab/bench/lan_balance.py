@@ -30,6 +30,7 @@ from distlab.batching import (
     predicted_step_ratio,
     rows_per_rank,
     shares_from_throughput,
+    step_ratio_with_fixed,
 )
 from distlab.cli import finite_float, run_main
 from distlab.config import load_config
@@ -97,11 +98,13 @@ def compare(placement: host_runs.Placement, quotas: list[float], *, micro: int =
             curves[kind] = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
     naive, balanced = statistics.median(times["naive"]), statistics.median(times["balanced"])
     split = rows_per_rank(global_rows, shares, world, minimum=1)
+    with_fixed, fixed_s = step_ratio_with_fixed(rows_per_s, split, [micro] * world, naive)
     return {"placement": placement.kind, "quotas": quotas, "cgroups": cgroups_supported()[0], "cpu_mode": cpu_mode,
             "rows_per_s": rows_per_s, "shares": shares, "global_rows": global_rows,
             "naive_split": [micro] * world, "balanced_split": split,
             "naive_rows_taken": taken["naive"], "balanced_rows_taken": taken["balanced"],
             "predicted_ratio": predicted_step_ratio(rows_per_s, split, [micro] * world),
+            "predicted_ratio_with_fixed": with_fixed, "fixed_s": fixed_s,
             "theory_ratio": ideal_step_ratio(quotas), "ideal_speedups": ideal_speedups(quotas),
             "naive_curves": curves["naive"], "balanced_curves": curves["balanced"],
             "naive_step_s": naive, "balanced_step_s": balanced, "ratio": balanced / naive,
@@ -144,7 +147,8 @@ def report(r: dict) -> str:
             f"{[round(x, 2) for x in r['rows_per_s']]} -> shares {r['shares']}; global batch {r['global_rows']} "
             f"rows split naive {r['naive_split']} vs balanced {r['balanced_split']}\n"
             f"  step time naive {r['naive_step_s']:.3f} s, balanced {r['balanced_step_s']:.3f} s: ratio "
-            f"{r['ratio']:.3f} (compute-only prediction {r['predicted_ratio']:.3f}); tokens/s naive "
+            f"{r['ratio']:.3f} (compute-only prediction {r['predicted_ratio']:.3f}; with the naive step's "
+            f"{r['fixed_s']:.3f} s of fixed costs {r['predicted_ratio_with_fixed']:.3f}); tokens/s naive "
             f"{r['naive_tokens_per_s']:.0f}, balanced {r['balanced_tokens_per_s']:.0f}")
 
 

@@ -7,8 +7,9 @@ Chapter 04 regenerates the study's table (full fine-tuning, 2 stages) up to T_ef
 (sequences of 256 x micro-batches of 2 x GA 8) inside its few minutes. The study went on toward ~100k
 tokens per step. This runs the same rows at longer sequences and larger GA (T_eff = seq_len x micro x GA:
 65,536 at the defaults' largest), the 2-stage pipeline, then FSDP on the same 2 ranks at the same tokens
-per step (GA / 2 each), with chapter 04's functions (ch04.study_table, ch04.versus_fsdp), and prints, for
-each T_eff: the tokens/s of both and their ratio, and the pipeline's measured bubble beside its formula
+per step (GA / 2 each), with chapter 04's functions (ch04.study_table, ch04.versus_fsdp: the two run in turn
+with the timeline instrument off), and prints, for each T_eff: the tokens/s of both and their ratio, and the
+pipeline's bubble (from the instrumented table run) beside its formula
 (p - 1)/(m + p - 1), m = GA. Each row's first steps are warm-up (distlab.results.schema.WARMUP_STEPS) and
 left out. Minutes on 2 cores: each step of the largest row runs 32 micro-batches of 2,048 tokens.
 
@@ -46,9 +47,10 @@ def sweep(gas, seq_len: int = 1024, micro: int = 2, steps: int = 4, strategy: st
     dtypes = {"fp32": "fp32"}
     rows = [[micro, ga, False, "fp32"] for ga in gas]
     table = ch04.study_table(base, strategy, rows, STAGES, steps, seq_len, dtypes, lora=False, timeout_s=timeout_s)
-    versus = ch04.versus_fsdp(base, table, STAGES, steps, seq_len, dtypes, lora=False, timeout_s=timeout_s)
+    versus = ch04.versus_fsdp(base, table, STAGES, steps, seq_len, dtypes, lora=False, strategy=strategy,
+                              timeout_s=timeout_s)
     out = versus.set_index("pipeline GA")[["T_eff", "pipeline tokens/s", "FSDP tokens/s", "FSDP / pipeline",
-                                          "pipeline bubble"]]
+                                          "pipeline bubble (measured row)"]]
     out["bubble formula"] = [ch04.bubble_formula(STAGES, int(ga)) for ga in out.index]
     return out.rename_axis("GA")
 

@@ -25,7 +25,10 @@ them (distlab.bench.pipeline_bubble, also on top, repeats ch04's sweep).
         the KV cache's bytes (formula and counted), the scaling, batch-sweep, stage-memory (weights and KV
         cache) and width tables and figures, a run's stage timeline with its legend, and the stage-loss demo
   ch07  tensor parallelism: Megatron's split drawn, the by-hand and DTensor scripts run and compared, a layer's
-        all-reduce bytes against the formula, a `tp` run's loss against one device, the 2-D mesh drawn and
-        run (each rank's bytes against the planner), decoding split by layers against split within layers, and
-        tp against ddp across chapter 05's shaped links (step time against link rate, beside bytes / rate)
+        all-reduce bytes against the formula, a `tp` run's loss against one device, and a step's bytes under
+        ddp, fsdp, tp and tp with sequence parallelism (formula against counted)
+  ch08  2-D meshes: the FSDP x TP mesh drawn and run against one device (each rank's bytes against the
+        planner), HSDP and the 3-D mesh drawn, decoding split by layers against split within layers, and tp
+        against ddp across chapter 05's shaped links (step time against link rate, beside bytes / rate); it
+        imports what it shares with ch07 from there
 """

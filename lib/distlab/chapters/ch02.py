@@ -107,10 +107,11 @@ def result_line(run_result) -> dict:
     raise ValueError("the script printed no RESULT line:\n" + "\n".join(run_result.tail[-20:]))
 
 
-def run_script(script: str | Path, nproc: int = 2, timeout_s: int = 300) -> dict:
+def run_script(script: str | Path, nproc: int = 2, timeout_s: int = 300, args: Sequence = ()) -> dict:
     """Run a chapter's script on `nproc` local gloo ranks under torchrun (one thread each, a hard
-    timeout); returns the JSON rank 0 printed after `RESULT ` (chapters 03, 04 and 07 use it too)."""
-    return result_line(torchrun_module_or_script(script, nproc=nproc, timeout_s=timeout_s))
+    timeout), with `args` as its command line; returns the JSON rank 0 printed after `RESULT ` (chapters
+    03, 04, 06 and 07 use it too)."""
+    return result_line(torchrun_module_or_script(script, nproc=nproc, args=[str(a) for a in args], timeout_s=timeout_s))
 
 
 # ---------------------------------------------------------------- one DDP step, traced

@@ -502,7 +502,8 @@ def study_table(base: dict, strategy: str, rows: Sequence[Sequence], nproc: int,
                 dtypes: dict[str, str | None], lora: bool, timeout_s: int = 900) -> pd.DataFrame:
     """Every [micro_bsz, GA, activation checkpointing, dtype] row as its own run (own step log, warm-up steps
     left out), all in one launch; one table row each (table_row) with the slowest and fastest steady
-    step's tokens/s and every rank's peak memory. `dtypes` maps a row's dtype to the run's (None: the
+    step's tokens/s, every rank's peak memory, the hand-off per micro-batch and the bubble the cost model gives
+    from it and the stage imbalance (measure_run). `dtypes` maps a row's dtype to the run's (None: the
     device has no native support for it, and the row is left out); `lora` False trains every weight."""
     named = {f"04_{strategy}_b{micro}_ga{ga}_{'ckpt' if ckpt else 'nockpt'}_{dt}": (micro, ga, bool(ckpt), dt)
              for micro, ga, ckpt, dt in rows if dtypes.get(dt)}
@@ -523,6 +524,9 @@ def study_table(base: dict, strategy: str, rows: Sequence[Sequence], nproc: int,
         row["tokens_per_s_min"], row["tokens_per_s_max"] = min(per_step), max(per_step)
         for r, peak in enumerate(schema.parse_per_rank(row.pop("peak_mem_bytes_per_rank"))):
             row[f"peak_mem_bytes_rank{r}"] = peak
+        timeline = measure_run(jobs[name].output_dir)  # the bubble's parts, as section 4 measures them
+        row["handoff_per_mb_ms"] = timeline["handoff_s"] * 1e3
+        row["bubble_model"] = timeline["model_costs"]  # the formula plus the measured hand-off and stage imbalance
         table.append(row)
     return pd.DataFrame(table)
 
@@ -565,25 +569,35 @@ def plot_ga_sweep(ga: pd.DataFrame, stages: int, path, provenance: dict) -> None
 
 
 def versus_fsdp(base: dict, pipeline_rows: pd.DataFrame, stages: int, steps: int, seq_len: int,
-                dtypes: dict[str, str | None], lora: bool, timeout_s: int = 900) -> pd.DataFrame:
-    """FSDP on `stages` data-parallel ranks at the same tokens per step as each pipeline row whose GA divides
-    by the ranks (FSDP accumulates GA / ranks), all in one launch; one row per GA, the two side by side."""
+                dtypes: dict[str, str | None], lora: bool, strategy: str, timeout_s: int = 900) -> pd.DataFrame:
+    """For each pipeline row whose GA divides by `stages`: the pipeline again and FSDP on `stages` data-parallel
+    ranks at the same tokens per step (FSDP accumulates GA / ranks), in turn in one launch and with the timeline
+    instrument off (it serialises communication with compute, so it would distort the throughput it sits
+    beside); one row per GA, the two side by side. The pipeline's bubble is the measured table row's."""
     rows = pipeline_rows[pipeline_rows.GA % stages == 0]
-    variants = {f"04_fsdp_b{int(r.micro_bsz)}_ga{int(r.GA) // stages}_{r.dtype}":
-                {"micro_batch_size": int(r.micro_bsz), "grad_accum": int(r.GA) // stages,
-                 "activation_checkpointing": r.ckpt == "on", "dtype": dtypes[r.dtype]} for r in rows.itertuples()}
-    jobs = launch_sweep("04_fsdp", stages, {**base, "strategy": "fsdp", "pipeline_stages": None, "stage_layers": None,
-                                            "max_steps": steps, "warmup_steps": 1, "measure_comm": True,
-                                            "eval_file": None, "save_model": False, "lora": lora},
-                        variants, timeout_s=timeout_s, echo=False)
+    variants, pairs = {}, []
+    for r in rows.itertuples():
+        row = {"micro_batch_size": int(r.micro_bsz), "activation_checkpointing": r.ckpt == "on",
+               "dtype": dtypes[r.dtype]}
+        pipe = f"04_vs_{strategy}_b{int(r.micro_bsz)}_ga{int(r.GA)}_{r.dtype}"
+        fsdp = f"04_vs_fsdp_b{int(r.micro_bsz)}_ga{int(r.GA) // stages}_{r.dtype}"
+        variants[pipe] = {**row, "grad_accum": int(r.GA)}
+        variants[fsdp] = {**row, "strategy": "fsdp", "pipeline_stages": None, "stage_layers": None,
+                          "grad_accum": int(r.GA) // stages}
+        pairs.append((pipe, fsdp, r))
+    shared = {**base, "strategy": strategy, "max_steps": steps, "warmup_steps": 1, "measure_comm": False,
+              "eval_file": None, "save_model": False, "lora": lora}
+    jobs = launch_sweep("04_versus_fsdp", stages, shared, variants, timeout_s=timeout_s, echo=False)
     out = []
-    for (name, v), r in zip(variants.items(), rows.itertuples()):
-        f = table_row(jobs[name], strategy="fsdp", micro=v["micro_batch_size"], ga=v["grad_accum"],
-                      ckpt=v["activation_checkpointing"], dtype=r.dtype, seq_len=seq_len, data_parallel=stages)
-        out.append({"T_eff": r.T_eff, "pipeline GA": r.GA, "FSDP GA x ranks": f"{f['GA']} x {stages}",
-                    "FSDP T_eff": f["T_eff"], "pipeline tokens/s": r.tokens_per_s, "FSDP tokens/s": f["tokens_per_s"],
-                    "FSDP / pipeline": f["tokens_per_s"] / r.tokens_per_s, "pipeline bubble": r.bubble_fraction,
-                    "FSDP comm share": f["comm_share"]})
+    for pipe, fsdp, r in pairs:
+        p = table_row(jobs[pipe], strategy=strategy, micro=int(r.micro_bsz), ga=int(r.GA), ckpt=r.ckpt == "on",
+                      dtype=r.dtype, seq_len=seq_len, data_parallel=1)
+        f = table_row(jobs[fsdp], strategy="fsdp", micro=int(r.micro_bsz), ga=int(r.GA) // stages,
+                      ckpt=r.ckpt == "on", dtype=r.dtype, seq_len=seq_len, data_parallel=stages)
+        out.append({"T_eff": p["T_eff"], "pipeline GA": r.GA, "FSDP GA x ranks": f"{f['GA']} x {stages}",
+                    "FSDP T_eff": f["T_eff"], "pipeline tokens/s": p["tokens_per_s"],
+                    "FSDP tokens/s": f["tokens_per_s"], "FSDP / pipeline": f["tokens_per_s"] / p["tokens_per_s"],
+                    "pipeline bubble (measured row)": r.bubble_fraction})
     return pd.DataFrame(out)
 
 

@@ -45,7 +45,7 @@ def prerequisites(here: Machine) -> pd.DataFrame:
 
 def mode(placement: host_runs.Placement, demos: bool = True) -> str:
     """Which mode this run is in, and what the reader loses when it is the fallback (`demos`: also this
-    chapter's failure demos and slow hosts; chapter 07 has neither)."""
+    chapter's failure demos and slow hosts; chapter 08 has neither)."""
     if placement.cluster:
         return f"mode: namespaces. {placement.describe()}"
     line = (f"mode: FALLBACK to localhost, because {placement.why_local}.\n"
@@ -280,6 +280,7 @@ def balance_table(results: Mapping[str, Mapping[str, Any]]) -> pd.DataFrame:
                           "naive step s": r["naive_step_s"], "balanced step s": r["balanced_step_s"],
                           "balanced / naive": r["ratio"], "theory": r["theory_ratio"],
                           "from measured speeds": r["predicted_ratio"],
+                          "with fixed costs": r["predicted_ratio_with_fixed"], "fixed s": r["fixed_s"],
                           "max |loss or grad-norm diff|": curve_difference(r)}
                          for k, r in results.items()]).set_index("setup").round(4)
 

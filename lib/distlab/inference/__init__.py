@@ -14,7 +14,7 @@ micro-batches of prompts are in flight, so every stage works at the same time.
   outputs     a finished run read back: summary, completions, per-stage timeline and memory
   run         the per-rank entry point (torchrun or srun): rank/world from the environment, per-rank
               log, completion JSONL, per-stage memory and timeline; --resume finishes a lost job
-  tp_decode   the other way to split a model for decoding (chapter 07): every rank a slice of every
+  tp_decode   the other way to split a model for decoding (chapter 08): every rank a slice of every
               layer (tensor parallelism), all ranks on the same tokens, with transformers' generate
 
                   python -m distlab.inference --out-dir DIR [--stages-from-world] ...

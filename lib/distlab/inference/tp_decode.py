@@ -1,4 +1,4 @@
-"""Tensor-parallel decoding (chapter 07): every rank holds a slice of each decoder layer (strategies.tp's plan)
+"""Tensor-parallel decoding (chapter 08): every rank holds a slice of each decoder layer (strategies.tp's plan)
 and all ranks decode the same prompts together, token by token, with one all-reduce per block. Against
 chapter 06's pipeline, where each token passes through the stages one after the other, TP shortens each
 token; the pipeline keeps every stage busy with other micro-batches instead.

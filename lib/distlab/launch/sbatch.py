@@ -22,7 +22,7 @@ folder, the output folder and, for `tp` / `fsdp_tp`, `tp_size` as `--set` settin
 no --model / --out-dir). `tp_size` is checked as LaunchSpec checks it (spec.check_tp_size: `tp` splits
 over every rank, `fsdp_tp` needs at least two groups) and given once, never also in args; the header
 says whether each tensor-parallel group sits inside one node (srun puts consecutive ranks on a node), as
-it should: its all-reduces run every layer (chapter 07, section 10).
+it should: its all-reduces run every layer (chapter 08, section 4).
 
 With `container` (an image), srun runs `apptainer exec` (or `singularity exec`) with --nv / --rocm and
 the Slurm report's binds (code at /app, the workspace, the model at /workspace/model); the model is checked
@@ -173,7 +173,7 @@ class SlurmSpec:
 
     def tp_groups_note(self) -> str | None:
         """Where the tensor-parallel groups sit: srun places consecutive ranks on a node, so a group stays
-        inside one node when its size divides the tasks per node (chapter 07, section 10: why it should)."""
+        inside one node when its size divides the tasks per node (chapter 08, section 4: why it should)."""
         strategy = strategy_in_args(self.args)
         if strategy not in ("tp", "fsdp_tp"):
             return None

@@ -12,7 +12,7 @@ Read in this order:
            and a step, is what every "fits" verdict compares                                   ch. 03, 05
   advice   communication per step (the planner's `communication_bytes`; `step_bytes_sent` for one
            step of ddp, fsdp, tp, tp + sequence parallelism as they run) and the LAN-cluster
-           guide's decision tree (`decide` -> `explain`, both in `recommend`)                  ch. 03, 07
+           guide's decision tree (`decide` -> `explain`, both in `recommend`)                  ch. 03, 07, 08
   zero_paper  the ZeRO paper's (2 + 2 + K) Psi / N_d model states next to the planner and measured
            bytes, with why they differ (`zero_paper_table`, `explain_zero_paper`)                   ch. 03
   memory   the names the chapters use (`from distlab.planning import memory`), with the

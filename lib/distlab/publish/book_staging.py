@@ -6,7 +6,8 @@ executed notebooks of SOURCE/notebooks (written there by `python -m distlab.publ
 the figures and tables of `figures/` with their `*.provenance.json` sidecars, then writes `_toc.yml`
 (intro, the front pages such as the workshop guide and the case studies, one page per notebook in numeric
 order, the appendix pages `appendix_*.md`, results) and `results.md` (every figure with the provenance line
-from its sidecar, and every table).
+from its sidecar, and every table). The workshop guide's run-times marker becomes a table of each chapter's
+Run All time, read from the executed notebook's own papermill record, beside the agenda's slot for it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ FRONT_PAGES = ("workshop", "case_studies")  # hand-written pages between the int
 # with the commit, device, driver and CUDA in each sidecar). The freshness check reads figures/ alone.
 RECORDED_ELSEWHERE = ("gpu",)
 APPENDIX_GLOB = "appendix_*.md"  # hand-written pages after the chapters, in name order
+# Where the workshop guide shows each chapter's Run All time, as measured by the executions this book shows.
+RUN_TIMES_MARKER = "<!-- distlab: run times -->"
+AGENDA_ROW = re.compile(r"^\|\s*(\d+):(\d\d)\s*\|(.*)$")
 
 
 class BookBuildError(RuntimeError):
@@ -92,6 +96,51 @@ def extra_pages(src_dir: str | Path) -> tuple[list[Path], list[Path]]:
     src = Path(src_dir)
     front = [src / f"{name}.md" for name in FRONT_PAGES if (src / f"{name}.md").is_file()]
     return front, sorted(src.glob(APPENDIX_GLOB))
+
+
+def run_seconds(notebook: Path) -> tuple[float | None, str]:
+    """How long papermill took to execute a notebook, and when it finished (its own metadata)."""
+    try:
+        meta = json.loads(notebook.read_text(encoding="utf-8")).get("metadata", {}).get("papermill", {})
+    except (OSError, ValueError):
+        return None, ""
+    return meta.get("duration"), str(meta.get("end_time") or "")[:16].replace("T", " ")
+
+
+def agenda_slots(page_text: str) -> dict[str, float]:
+    """Minutes the agenda tables give each chapter ("Chapter NN" in a row; the slot lasts until the next
+    row's start time), the first row naming a chapter counting."""
+    rows = []
+    for line in page_text.splitlines():
+        m = AGENDA_ROW.match(line)
+        if m:
+            rows.append((int(m.group(1)) * 60 + int(m.group(2)), m.group(3)))
+        elif rows and not line.startswith("|"):
+            rows.append((None, ""))  # the end of a table
+    slots: dict[str, float] = {}
+    for (start, text), (end, _) in zip(rows, rows[1:]):
+        for number in re.findall(r"Chapter (\d\d)\b", text):
+            if start is not None and end is not None and end > start:
+                slots.setdefault(number, end - start)
+    return slots
+
+
+def run_times_markdown(chapters: Sequence[Chapter], page_text: str) -> tuple[str, list[str]]:
+    """The workshop guide's table: each chapter's Run All time in this build beside its agenda slot; and a
+    note for every chapter whose run takes longer than its slot."""
+    slots, notes = agenda_slots(page_text), []
+    out = ["| chapter | Run All in this build | finished | agenda slot |", "|---|---|---|---|"]
+    for c in chapters:
+        number = c.path.name[:2]
+        seconds, finished = run_seconds(c.path)
+        slot = slots.get(number)
+        shown = f"{seconds / 60:.1f} min" if seconds is not None else "not recorded"
+        out.append(f"| {c.title.split(':')[0]} | {shown} | {finished or '-'} UTC | "
+                   + (f"{slot:.0f} min |" if slot else "demo or homework |"))
+        if seconds is not None and slot and seconds / 60 > slot:
+            notes.append(f"workshop.md: chapter {number} runs {seconds / 60:.1f} min, longer than its "
+                         f"{slot:.0f}-minute slot")
+    return "\n".join(out), notes
 
 
 def write_toc(src_dir: str | Path, chapters: Sequence[Chapter]) -> Path:
@@ -275,6 +324,12 @@ def stage(source: str | Path, src_dir: str | Path, *, figures_dir: str | Path | 
     for page in sorted(src_dir.glob("*.md")):
         if page.name not in listed and page.name not in GENERATED:
             notes.append(f"{page.name} is in no table of contents: name it appendix_*.md or add it to FRONT_PAGES")
+    workshop = src_dir / "workshop.md"
+    if workshop.is_file() and RUN_TIMES_MARKER in workshop.read_text(encoding="utf-8"):
+        text = workshop.read_text(encoding="utf-8")
+        table, late = run_times_markdown(chapters, text)
+        workshop.write_text(text.replace(RUN_TIMES_MARKER, table), encoding="utf-8")
+        notes += late
     toc = write_toc(src_dir, chapters)
     (src_dir / "results.md").write_text(results_markdown(figures, tables, chapters, summary))
     return {"src": src_dir, "toc": toc, "config": src_dir / "_config.yml", "chapters": chapters,

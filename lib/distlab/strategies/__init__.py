@@ -13,7 +13,7 @@ Read `base` first (the hooks the loop calls), then one file per parallelism, in 
   pipeline     torch.distributed.pipelining (GPipe, 1F1B)                                  ch. 04
   ds_pipeline  the same split with DeepSpeed's PipelineModule                              ch. 04
   tp           tensor parallelism (DTensor): each layer's projections split over the ranks  ch. 07
-  fsdp_tp      2-D: tensor parallelism inside groups of ranks, FSDP across the groups       ch. 07
+  fsdp_tp      2-D: tensor parallelism inside groups of ranks, FSDP across the groups       ch. 08
 
 The one list of strategy names is distlab.config.STRATEGY_NAMES (the config, the launcher and the planner
 read it without importing torch); the registry below maps each to its class. Importing this package
