@@ -15,8 +15,8 @@ REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
 	@echo "              (FORCE=1: run every notebook; PROFILE=gpu|quick: another parameter profile)"
-	@echo "make test   - set up, lint (ruff), run the test suite"
-	@echo "make test-fast - lint and the unit tests only (pytest -m 'not slow': no torchrun, notebooks, book, clusters), under 3 min"
+	@echo "make test   - set up, lint (ruff), run the test suite: every tier (tests/unit, launches, notebooks, clusters)"
+	@echo "make test-fast - lint and tests/unit less what is marked slow (no torchrun, notebooks, book, clusters), under 2 min"
 	@echo "make test-attendee - every chapter's quick profile as a workshop attendee: normal user, one core each,"
 	@echo "              no GNU timeout/ip/tc/Slurm/compiler on PATH; prints what each chapter skipped"
 	@echo "make env    - only create/refresh the virtual environment ($(VENV))"
@@ -66,20 +66,23 @@ debian:
 # SmolLM2-135M-Instruct is converted once from the GGUF file its package carries (about 25 s). Both are built up
 # front so that no notebook kernel or torchrun rank builds one inside its own time limit.
 models: $(STAMP)
-	$(PY) -c 'from distlab.models import build_default_model; build_default_model()'
+	$(PY) -c 'from distlab.tiny_base import build_default_model; build_default_model()'
 	$(PY) -c 'from distlab.pretrained import build_smollm2; build_smollm2()'
 
 test: $(STAMP) debian deepspeed-op models lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The everyday tier: tests marked `slow` (torchrun launches, notebook runs, the book build, the emulated LAN and
-# Slurm clusters, DeepSpeed's JIT op, anything over ~5 s) are left out; `make test` still runs them all.
+# The everyday tier: lint, then tests/unit less its tests marked `slow` (in-process work over the 5 s an unmarked
+# test may take). tests/launches (torchrun and multi-process runs), tests/notebooks (papermill, the book build) and
+# tests/clusters (the emulated LAN, Slurm, Kubernetes pods) are all slow: `make test` runs them. Under 2 minutes on
+# 2 cores; an unmarked test over 5 s fails (tests/conftest.py), so it stays so.
 test-fast: $(STAMP) models lint
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit -m "not slow" $(PYTEST_ARGS)
 
 # Every chapter's quick profile as a workshop attendee runs it: a normal user (as root: a system user made for it),
 # one core per chapter, no GNU timeout, ip, tc, Slurm, munge or C++ compiler on PATH. Prints what each chapter
-# skipped and why. `make test` runs the same (tests/test_notebooks.py), then builds the book from its output.
+# skipped and why. `make test` runs the same (tests/notebooks/test_notebooks.py), then builds the book from its
+# output.
 test-attendee: $(STAMP) deepspeed-op models
 	$(PY) -m distlab.publish.attendee
 

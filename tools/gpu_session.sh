@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checklist, as one script for a lent GPU machine that is ours for a few minutes:
-#   1. bring-up: the environment, then tests/test_gpu.py (flash varlen attention against the CPU
+#   1. bring-up: the environment, then tests/unit/test_gpu.py (flash varlen attention against the CPU
 #      reference; the tiny config trains on CUDA in bf16 autocast);
 #   2. MFU: python -m distlab.bench.mfu_ladder on the qwen2.5-0.5b-random preset;
 #   3. chapters' gpu profiles, in order, while time is left;
@@ -52,7 +52,7 @@ step() {  # step NAME CAP COMMAND...: run COMMAND for at most min(CAP, time left
 step environment 40 bash -c 'nvidia-smi; python3 -c "import torch, transformers, peft
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())
 print(\"transformers\", transformers.__version__, \"peft\", peft.__version__)"'
-step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_gpu.py
 TAIL_LINES=40 step profile 90 python3 tools/gpu_profile_steps.py
 # shellcheck disable=SC2086  # LADDER_ARGS is a list of words
 TAIL_LINES=30 step mfu_ladder 330 python3 -m distlab.bench.mfu_ladder --steps 25 --warmup 8 --timeout 120 \

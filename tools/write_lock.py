@@ -16,7 +16,7 @@ def main(venv: str) -> None:
     pins = sorted((line for line in freeze if "==" in line and not line.lower().startswith("torch==")), key=str.lower)
     Path("requirements.lock").write_text(HEADER + "torch==2.13.0\n" + "\n".join(pins) + "\n")
     env = ["# Conda environment for distlab, carrying exactly the pins of requirements.lock",
-           "# (tests/test_packaging.py checks that the two agree). GPU users: install a CUDA/ROCm",
+           "# (tests/unit/test_packaging.py checks that the two agree). GPU users: install a CUDA/ROCm",
            "# build of torch 2.13.0 first, then `pip install -r requirements.lock`.",
            "name: distlab", "channels:", "  - conda-forge", "dependencies:", "  - python=3.11", "  - pip", "  - pip:"]
     env += [f"    - {p}" for p in ["torch==2.13.0", *pins, "-e ."]]

@@ -58,10 +58,14 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
                                       is_causal=is_causal, **kwargs)
     dropout_p = dropout if module.training else 0.0
     out_dtype = query.dtype
-    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        # Under CPU bf16 autocast the matmuls gain several times, but PyTorch's CPU flash-attention
-        # backward in bf16 took twice its fp32 time here (profiled): attention, a small share of the
-        # FLOPs, runs in fp32 (autocast would cast its inputs back down, so it is switched off).
+    sixteen_bit = torch.is_autocast_enabled("cpu") or query.dtype in (torch.bfloat16, torch.float16)
+    if query.device.type == "cpu" and sixteen_bit:
+        # On CPU attention, a small share of the FLOPs, runs in fp32 whenever the model computes in 16 bits,
+        # under autocast or with 16-bit weights (DeepSpeed's bf16 mode): PyTorch's CPU flash-attention backward
+        # in bf16 took twice its fp32 time here (profiled), and it keeps a kernel for every sequence shape it
+        # meets, never freed: one per document length of packed rows, so a bf16 run's resident memory grew with
+        # every micro-batch it ran (traced in chapter 04's pipeline table; fp32 stays flat). Autocast would
+        # cast the inputs back down, so it is switched off here.
         with torch.autocast("cpu", enabled=False):
             out, _ = _varlen(query.float(), key.float(), value.float(), position_ids, dropout_p, scaling)
         return out.to(out_dtype), None

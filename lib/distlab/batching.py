@@ -7,7 +7,7 @@ throughput (rows per second, from distlab.lan.calibrate), so that every rank fin
 backward at the same time. The gradient is unchanged by the split: distlab.train normalises every step's
 loss by the global batch's label-token count and scales each rank's summed loss by the data-parallel
 size before DDP averages, so the all-reduced gradient is the sum over every token of the global batch
-divided by that count, however the rows are cut (tests/test_lan.py checks it against one process to
+divided by that count, however the rows are cut (tests/clusters/test_lan_runs.py checks it against one process to
 1e-6). Ranks with more rows simply carry more tokens in that sum.
 """
 
@@ -47,11 +47,14 @@ def shares_from_throughput(rows_per_s: Sequence[float], digits: int = 3) -> list
     return [round(r / total, digits) for r in rows_per_s]
 
 
+def compute_seconds(rows_per_s: Sequence[float], counts: Sequence[int]) -> float:
+    """A step's compute time when rank i takes counts[i] rows at rows_per_s[i]: the slowest rank sets it."""
+    return max(c / r for c, r in zip(counts, rows_per_s))
+
+
 def predicted_step_ratio(rows_per_s: Sequence[float], balanced: Sequence[int], naive: Sequence[int]) -> float:
-    """Compute-only step time of the balanced split over the naive one (the slowest rank sets each)."""
-    def step(counts):
-        return max(c / r for c, r in zip(counts, rows_per_s))
-    return step(balanced) / step(naive)
+    """Compute-only step time of the balanced split over the naive one."""
+    return compute_seconds(rows_per_s, balanced) / compute_seconds(rows_per_s, naive)
 
 
 def step_ratio_with_fixed(rows_per_s: Sequence[float], balanced: Sequence[int], naive: Sequence[int],
@@ -60,10 +63,9 @@ def step_ratio_with_fixed(rows_per_s: Sequence[float], balanced: Sequence[int], 
     is what the measured naive step holds beyond its compute at the measured speeds: the all-reduce, the
     optimizer step and the loop's own work, which no split of the rows shortens. (C_b + F) / (C_n + F).
     A naive step shorter than its compute at those speeds (a host faster than its calibration) gives F = 0."""
-    def compute(counts):
-        return max(c / r for c, r in zip(counts, rows_per_s))
-    fixed = max(0.0, naive_step_s - compute(naive))
-    return (compute(balanced) + fixed) / (compute(naive) + fixed), fixed
+    balanced_s, naive_s = compute_seconds(rows_per_s, balanced), compute_seconds(rows_per_s, naive)
+    fixed = max(0.0, naive_step_s - naive_s)
+    return (balanced_s + fixed) / (naive_s + fixed), fixed
 
 
 def ideal_step_ratio(speeds: Sequence[float]) -> float:

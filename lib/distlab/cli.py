@@ -1,7 +1,10 @@
-"""How every `python -m distlab.*` command ends on bad input: one line `<prog>: error: <message>`, exit 2.
+"""How every command ends on bad input: one line `<prog>: error: <message>`, exit 2. A `python -m distlab.<module>`
+program ends with
 
     if __name__ == "__main__":
         run_main(main)
+
+and the user's commands (`python -m distlab <command>`) go through run_main in distlab/__main__.py.
 
 User-facing errors are the library's ValueError family (ConfigError, DataError, LaunchSpecError,
 ResultLogError, KubeJobError, NetworkPresetError, ...: each message already names the file, line or field)
@@ -46,12 +49,13 @@ def finite_float(text: str) -> float:
     return value
 
 
-def _argparse_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
-    raise UsageError(f"{message} (see {prog_name()} --help)")
+def _argparse_error(prog: str, message: str) -> NoReturn:
+    raise UsageError(f"{message} (see {prog} --help)")
 
 
 def prog_name() -> str:
-    """`python -m distlab.x` for the running module, else the script's name."""
+    """`python -m distlab.x` (`python -m distlab` for the command entry point) for the running module, else the
+    script's name (`distlab`, the console script)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return f"python -m {spec.name.removesuffix('.__main__')}" if spec and spec.name else os.path.basename(sys.argv[0])
 
@@ -78,7 +82,8 @@ def run_main(main: Callable[..., int | None], argv: Sequence[str] | None = None,
     prog = prog or prog_name()
     original = argparse.ArgumentParser.error
     if not debug:
-        argparse.ArgumentParser.error = _argparse_error  # one line instead of usage + error
+        # one line instead of usage + error, naming the prog this run reports as (a command's, not the dispatcher's)
+        argparse.ArgumentParser.error = lambda parser, message: _argparse_error(prog, message)
     try:
         code = main(argv)
     except KeyboardInterrupt:

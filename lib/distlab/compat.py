@@ -7,7 +7,7 @@ with the version it was checked against, and reached only through the accessors 
 that a release renames makes the accessor raise `PrivateAPIMissing` naming it, and the test over
 `SYMBOLS` fails on upgrade: a figure is never silently drawn from a zero.
 
-Tests (tests/test_compat.py): every listed symbol exists in the installed versions, and no other
+Tests (tests/unit/test_compat.py): every listed symbol exists in the installed versions, and no other
 module of distlab reaches a private attribute of torch or DeepSpeed.
 """
 

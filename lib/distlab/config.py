@@ -20,6 +20,9 @@ STRATEGY_NAMES: tuple[str, ...] = ("single", "ddp", "fsdp", "zero2", "zero3", "p
                                    "fsdp_tp")
 PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world is split into stages
 TP_STRATEGIES: tuple[str, ...] = ("tp", "fsdp_tp")  # every layer split over a tensor-parallel group
+# The models known by name, read here without importing torch: the offline default, the random-weight presets
+# and the pretrained bases that come from a package. distlab.models builds each, and checks this list against its own.
+MODEL_PRESETS: tuple[str, ...] = ("distlab-tiny", "qwen2.5-0.5b-random", "distlab-tiny-random", "smollm2-135m-instruct")
 
 # DeepSpeed settings distlab's DeepSpeed config uses, which the memory planner plans with too.
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
@@ -303,9 +306,7 @@ def _known_model(v: str) -> bool:
         if not (Path(v).expanduser() / "config.json").is_file():
             raise TypeError(f"the folder {v} holds no config.json (not a saved model)")
         return True
-    from distlab import models  # deferred: torch and transformers only when a model name needs checking
-
-    presets = {models.DEFAULT_MODEL, *models.RANDOM_PRESETS, *models.PRETRAINED_BASES}
+    presets = set(MODEL_PRESETS)
     if v in presets:
         return True
     if v.startswith(("/", ".", "~")) or v.count("/") > 1:

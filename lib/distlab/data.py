@@ -1,6 +1,7 @@
 """The data contract: JSONL rows in three formats -> chat messages -> token ids with masked labels.
 
-Accepted rows (a file may mix them; `id`, `category`, `source`, `meta`, `facts` may ride along):
+Accepted rows (a file may mix them; `id`, `category`, `source`, `meta`, `facts` may ride along; `facts`,
+when there, is a list of non-empty strings, distlab.keyfacts):
   {"prompt": ..., "response": ...}
   {"question": ..., "answer": ...}
   {"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}
@@ -8,6 +9,7 @@ Accepted rows (a file may mix them; `id`, `category`, `source`, `meta`, `facts` 
 Every row becomes a list of chat messages, rendered with the tokenizer's chat template. The loss
 is taken only on assistant tokens (everything else is -100). Bad input raises DataError naming
 the file, the line and the field; nothing is dropped without being counted in the summary.
+Prompt files (generation, pipeline inference, key-fact scores) are read by `load_prompts` alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
+
+from distlab import keyfacts
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -56,6 +60,7 @@ class Conversation:
     line: int
     format: str
     id: str | None = None
+    facts: list[str] = field(default_factory=list)  # the key facts an answer must state (distlab.keyfacts)
 
     @property
     def where(self) -> str:
@@ -159,6 +164,14 @@ def normalise_row(row: Any, where: tuple[str, int], require_assistant: bool = Tr
     return fmt, messages
 
 
+def _row_facts(row: dict, where: tuple[str, int]) -> list[str]:
+    """The row's key facts ([] without any); a malformed `facts` is a DataError naming the row."""
+    try:
+        return keyfacts.facts_of(row)
+    except ValueError as e:
+        raise DataError(*where, "facts", str(e)) from None
+
+
 def load_jsonl(path: str | Path, require_assistant: bool = True) -> ConversationList:
     """Read and validate a JSONL file. Every bad row is reported (first one in the message head);
     a file with any bad row raises DataError, so a broken file never trains half-read."""
@@ -190,12 +203,13 @@ def load_jsonl(path: str | Path, require_assistant: bool = True) -> Conversation
             continue
         try:
             fmt, messages = normalise_row(row, where, require_assistant)
+            facts = _row_facts(row, where)
         except DataError as e:
             errors.append(e)
             continue
         summary.by_format[fmt] += 1
         row_id = row.get("id") if isinstance(row.get("id"), str) else None
-        out.append(Conversation(messages, str(path), lineno, fmt, row_id))
+        out.append(Conversation(messages, str(path), lineno, fmt, row_id, facts))
     if errors:
         raise DataError(errors[0].path, errors[0].line, errors[0].field, errors[0].reason, errors[1:])
     if not out:
@@ -205,8 +219,22 @@ def load_jsonl(path: str | Path, require_assistant: bool = True) -> Conversation
 
 
 def load_prompts(path: str | Path) -> ConversationList:
-    """Prompts for generation: same formats, the assistant reply is optional (used as reference)."""
-    return load_jsonl(path, require_assistant=False)
+    """The one reader of prompt files (generation, before/after inference, pipeline inference, key-fact
+    scores): the same formats and checks as load_jsonl, the assistant reply optional (a reference answer).
+    Every prompt has an id: its row's, else `prompt-<i>` (i counts the file's rows from 0); answers are
+    matched to prompts by id, so an id given twice is a DataError naming both lines."""
+    prompts = load_jsonl(path, require_assistant=False)
+    first_line: dict[str, int] = {}
+    errors = []
+    for i, conv in enumerate(prompts):
+        conv.id = conv.id or f"prompt-{i}"
+        if conv.id in first_line:
+            errors.append(DataError(conv.path, conv.line, "id", f"prompt id {conv.id!r} appears more than once "
+                                    f"(first on line {first_line[conv.id]}); ids must be unique"))
+        first_line.setdefault(conv.id, conv.line)
+    if errors:
+        raise DataError(errors[0].path, errors[0].line, errors[0].field, errors[0].reason, errors[1:])
+    return prompts
 
 
 # --------------------------------------------------------------------------- tokenisation

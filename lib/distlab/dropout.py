@@ -15,6 +15,7 @@ peft's own dropout.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 LEVELS = 65536  # 16-bit coins
 
@@ -31,11 +32,17 @@ class Dropout16(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.threshold == 0:
             return x
-        n = x.numel()
-        words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-2**63, 2**63 - 1)
-        coins = words.view(torch.int16)[:n].view(x.shape)  # signed: -32768..32767, uniform
-        keep = coins >= self.threshold - LEVELS // 2
-        return x * (keep.to(x.dtype) * self.scale)
+        local = x.to_local() if isinstance(x, DTensor) else x
+        n = local.numel()
+        words = torch.empty((n + 3) // 4, dtype=torch.int64, device=local.device).random_(-2**63, 2**63 - 1)
+        coins = words.view(torch.int16)[:n].view(local.shape)  # signed: -32768..32767, uniform
+        keep = (coins >= self.threshold - LEVELS // 2).to(local.dtype) * self.scale
+        if isinstance(x, DTensor):
+            # tensor parallelism hands a LoRA factor the block input as a DTensor: the mask takes its layout.
+            # Every rank draws the same coins (the same seed, the same calls), so a replicated input keeps
+            # one mask on all ranks, as its values must stay equal
+            keep = DTensor.from_local(keep, x.device_mesh, x.placements, run_check=False)
+        return x * keep
 
     def extra_repr(self) -> str:
         return f"p={self.p} (effective {self.threshold / LEVELS:.7f})"

@@ -10,7 +10,6 @@ fine-tuning taught the company's facts. Decoding never shows a broken character 
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -136,14 +135,9 @@ def answer_batched(model, tokenizer, conversations: Sequence[list[dict]], max_ne
 
 
 def read_fact_rows(path: str | Path = EVAL_FILE, limit: int | None = None) -> list[dict]:
-    """The rows of a JSONL prompt file that carry key facts (every row of data/support/eval.jsonl)."""
-    convs = {c.id: c for c in load_prompts(path)}
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if keyfacts.facts_of(row):
-                rows.append({**row, "chat": _first_question(convs[row["id"]].messages)})
+    """{id, facts, chat} for the prompts of a prompt file that carry key facts (every row of
+    data/support/eval.jsonl), the first `limit` of them; chat is the conversation up to its first question."""
+    rows = [{"id": c.id, "facts": c.facts, "chat": _first_question(c.messages)} for c in load_prompts(path) if c.facts]
     return rows[:limit]
 
 

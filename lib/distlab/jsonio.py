@@ -6,7 +6,7 @@ that must tell a non-finite number from a missing one needs a mark beside it (th
 "non_finite", distlab.metrics.StepLog). Standard library only, so every layer can import it.
 
 Digests stay on plain json.dumps: their bytes key caches already on disk, and no parser ever reads
-them back, so a bare NaN in one harms nothing (tests/test_strict_json.py lists them, each with why).
+them back, so a bare NaN in one harms nothing (tests/unit/test_strict_json.py lists them, each with why).
 """
 
 from __future__ import annotations

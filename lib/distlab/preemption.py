@@ -14,7 +14,7 @@ outlast the grace period. So the training loop:
    exit status 143, and under Slurm, for SIGUSR1 (the time limit is near), `scontrol requeue` first so
    the job starts again and resumes from that checkpoint.
 
-What a resumed run computes is bitwise what an uninterrupted run computes (tests/test_preemption.py):
+What a resumed run computes is bitwise what an uninterrupted run computes (tests/launches/test_preemption_runs.py):
 the checkpoint holds the same state a periodic one at that step would.
 """
 

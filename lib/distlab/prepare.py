@@ -16,7 +16,8 @@ from distlab.config import TrainConfig
 from distlab.data import build_sft_data
 from distlab.device import choose_device
 from distlab.dropout import replace_lora_dropout
-from distlab.models import QUANT_DTYPES, CausalLMWithLoss, load_model, load_tokenizer, quantization_config
+from distlab.lm_loss import CausalLMWithLoss
+from distlab.models import QUANT_DTYPES, load_model, load_tokenizer, quantization_config
 
 
 def seed_everything(seed: int) -> None:
@@ -39,7 +40,11 @@ def apply_lora(model, cfg: TrainConfig):
 
 def prepare_run(cfg: TrainConfig, strategy):
     """(device choice, tokenizer, train data, eval data, loss-computing model) for a run: identical on
-    every rank and world size. The strategy only says which local device this rank uses."""
+    every rank and world size. The strategy only says which local device this rank uses, and how it loads.
+
+    The model's build is the first part of the one order of its transformations, written out with the reason
+    for each step in distlab.strategies.base.parallelize (the strategy's `prepare` applies the rest): load,
+    quantise, checkpoint, LoRA, loss module."""
     choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
     tokenizer = load_tokenizer(cfg.model)
     train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
@@ -63,17 +68,18 @@ def prepare_run(cfg: TrainConfig, strategy):
             model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation,
                                quantization=quantization)
     if quantization is not None:
-        # what QLoRA users run: freeze the base, cast its unquantised layers (embeddings, norms, biases) to fp32,
-        # and switch on activation checkpointing the way k-bit layers need it
+        # quantise (before LoRA, as it freezes every parameter there is): what QLoRA users run: freeze the base,
+        # cast its unquantised layers (embeddings, norms, biases) to fp32, and switch on activation checkpointing
+        # the way k-bit layers need it
         from peft import prepare_model_for_kbit_training  # deferred: peft imports half of transformers
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.activation_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif cfg.activation_checkpointing:
+    elif cfg.activation_checkpointing:  # checkpoint: a flag on each decoder layer, before LoRA, which adapts to it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    if cfg.lora:
+    if cfg.lora:  # LoRA: drawn here, from the seeded generator, before the weights go to meta and before any cut
         model = apply_lora(model, cfg)
     model = CausalLMWithLoss(model)
-    # weightless: the strategy's wrap_model shards it and fills each rank's part (sharded_load.fill)
+    # weightless: the strategy's `prepare` (parallelize) cuts it, then fills each rank's part (sharded_load.fill)
     return choice, tokenizer, train_data, eval_data, sharded_load.defer_weights(model, cfg.model) if shards else model

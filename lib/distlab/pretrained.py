@@ -21,6 +21,7 @@ from pathlib import Path
 
 from distlab.checkpoint import file_digest
 from distlab.jsonio import strict_json
+from distlab.model_build import build_lock, quiet_hf, replace_folder
 from distlab.paths import MODEL_CACHE
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -54,8 +55,6 @@ def build_smollm2(out_dir: str | Path | None = None, force: bool = False) -> Pat
     renamed into place, under a file lock (torchrun ranks may all ask at once)."""
     import torch  # deferred: torch and transformers are slow to import, and only a build needs them
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from distlab.models import build_lock, quiet_hf, replace_folder  # deferred: models imports this module
 
     source = gguf_path()
     out_dir = Path(out_dir or MODEL_CACHE / SMOLLM2)

@@ -8,7 +8,7 @@ big for one device cannot even start). The way round it, in three steps:
      memory), with the same LoRA adapters, activation checkpointing and loss module as a whole load
      (`empty_model`, `defer_weights`, called by distlab.prepare);
   2. shard it on meta: `fully_shard` and the tensor-parallel plan only decide who holds which slice,
-     which needs shapes, not values (the strategy's wrap_model);
+     which needs shapes, not values (strategies.base.parallelize);
   3. allocate only this rank's slices (`to_empty`) and fill each one from the safetensors files,
      reading just that slice of each tensor (`safe_open(...).get_slice`), one tensor at a time
      (`fill`). A DTensor says which slice it holds (its offsets and sizes, as
@@ -40,7 +40,8 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from distlab.attention import resolve
-from distlab.models import RANDOM_PRESETS, quiet_hf, resolve_model
+from distlab.model_build import quiet_hf
+from distlab.models import RANDOM_PRESETS, resolve_model
 
 
 def whole_model_reason(cfg) -> str | None:

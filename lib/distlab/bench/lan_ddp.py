@@ -33,8 +33,8 @@ from distlab.lan import host_runs
 from distlab.lan.hosts import link_bits, link_bytes_per_s, rate_bits
 from distlab.metrics import read_log
 from distlab.paths import BUILD_DIR, MODEL_CACHE, RUNS_DIR
-from distlab.planning.advice import communication_bytes
 from distlab.planning.shapes import parameter_layout
+from distlab.planning.wire_bytes import communication_bytes
 from distlab.results import schema
 
 SMALL = {"strategy": "ddp", "eval_file": None, "save_model": False, "logging_steps": 1, "seq_len": 128,
@@ -45,7 +45,7 @@ MODES = {"lora": {"lora": True, "lr": 1e-2}, "full": {"lora": False, "lr": 1e-3}
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 GRAD_BYTES = 4  # DDP's buckets hold fp32 gradients on CPU (they follow the trained weights' dtype)
 RUNS = RUNS_DIR / "lan"
-BASE_CONFIG = MODEL_CACHE / "distlab-tiny-base" / "config.json"  # distlab.models.build_default_model's folder
+BASE_CONFIG = MODEL_CACHE / "distlab-tiny-base" / "config.json"  # distlab.tiny_base.build_default_model's folder
 
 
 def predicted_grad_bytes(mode: str, world_size: int = 2, lora_r: int = 16) -> dict[str, float]:

@@ -3,7 +3,7 @@ each rung's bytes measured against the planner's and its tokens/s against bf16 L
 
     python -m distlab.bench.memory_recipes [--steps 12] [--rounds 3] [--model tiny|<folder>|<preset>]
 
-Memory: one real optimizer step per rung, built as distlab.train builds it (distlab.chapters.ch01.memory_ladder:
+Memory: one real optimizer step per rung, built as distlab.train builds it (distlab.step_memory.memory_ladder:
 weights with bitsandbytes' constants, adapters, gradients, optimizer state, the activations autograd saved), next
 to distlab.planning.plan.plan_memory for the same settings (chapter 01 shows the same table).
 Throughput: each round runs every rung back to back in one process (distlab.launch.local.launch_sweep, one
@@ -28,12 +28,12 @@ from pathlib import Path
 import pandas as pd
 
 from distlab import markdown
-from distlab.chapters.ch01 import LADDER, memory_ladder
 from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.launch.local import launch_sweep
 from distlab.metrics import read_log
 from distlab.results import scaling_table, schema
+from distlab.step_memory import LADDER, memory_ladder
 
 # Each rung adds one change to the previous one (all LoRA, bf16 storage: no autocast on a CPU).
 RUNGS = {"bf16 LoRA": {}, **LADDER}

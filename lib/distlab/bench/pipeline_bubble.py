@@ -17,7 +17,7 @@ thread per stage, gloo on CPU), with the timeline recorded (measure_comm), all r
 order every other round), and the table gives the median over rounds with the min-max spread.
 Per step, every stage's idle fraction is 1 - (its forward+backward time) / (the step's span, first
 op start to last op end over all stages); the bubble is the mean over stages, the median over the
-steady-state steps. See distlab.measure.bubble for the definitions and models, distlab.chapters.ch04
+steady-state steps. See distlab.measure.bubble for the definitions and models, distlab.pipeline_sweeps
 for the sweep (the one chapter 04's notebook runs).
 
 Two predictions beside the measurement:
@@ -50,9 +50,10 @@ import tempfile
 from pathlib import Path
 
 from distlab import markdown
-from distlab.chapters.ch04 import bubble_sweep, formula_text, over_rounds
 from distlab.cli import finite_float, run_main
+from distlab.measure.bubble import formula_text
 from distlab.models import balanced_bench_model
+from distlab.pipeline_sweeps import bubble_sweep, over_rounds
 
 
 def main(argv=None) -> int:

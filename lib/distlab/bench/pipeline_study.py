@@ -7,9 +7,9 @@ Chapter 04 regenerates the study's table (full fine-tuning, 2 stages) up to T_ef
 (sequences of 256 x micro-batches of 2 x GA 8) inside its few minutes. The study went on toward ~100k
 tokens per step. This runs the same rows at longer sequences and larger GA (T_eff = seq_len x micro x GA:
 65,536 at the defaults' largest), the 2-stage pipeline, then FSDP on the same 2 ranks at the same tokens
-per step (GA / 2 each), with chapter 04's functions (ch04.study_table, ch04.versus_fsdp: the two run in turn
-with the timeline instrument off), and prints, for each T_eff: the tokens/s of both and their ratio, and the
-pipeline's bubble (from the instrumented table run) beside its formula
+per step (GA / 2 each), with the functions chapter 04 runs (distlab.pipeline_sweeps.study_table and
+versus_fsdp: the two run in turn with the timeline instrument off), and prints, for each T_eff: the tokens/s of
+both and their ratio, and the pipeline's bubble (from the instrumented table run) beside its formula
 (p - 1)/(m + p - 1), m = GA. Each row's first steps are warm-up (distlab.results.schema.WARMUP_STEPS) and
 left out. Minutes on 2 cores: each step of the largest row runs 32 micro-batches of 2,048 tokens.
 
@@ -24,9 +24,10 @@ import argparse
 
 import pandas as pd
 
-from distlab.chapters import ch04
+from distlab import pipeline_sweeps
 from distlab.cli import run_main
 from distlab.data import build_sft_data
+from distlab.measure.bubble import bubble_formula
 from distlab.models import load_tokenizer
 from distlab.paths import TRAIN_FILE
 from distlab.results import schema
@@ -46,12 +47,13 @@ def sweep(gas, seq_len: int = 1024, micro: int = 2, steps: int = 4, strategy: st
             "pipeline_stages": STAGES, "train_file": train_file}
     dtypes = {"fp32": "fp32"}
     rows = [[micro, ga, False, "fp32"] for ga in gas]
-    table = ch04.study_table(base, strategy, rows, STAGES, steps, seq_len, dtypes, lora=False, timeout_s=timeout_s)
-    versus = ch04.versus_fsdp(base, table, STAGES, steps, seq_len, dtypes, lora=False, strategy=strategy,
-                              timeout_s=timeout_s)
+    table = pipeline_sweeps.study_table(base, strategy, rows, STAGES, steps, seq_len, dtypes, lora=False,
+                                        timeout_s=timeout_s)
+    versus = pipeline_sweeps.versus_fsdp(base, table, STAGES, steps, seq_len, dtypes, lora=False, strategy=strategy,
+                                         timeout_s=timeout_s)
     out = versus.set_index("pipeline GA")[["T_eff", "pipeline tokens/s", "FSDP tokens/s", "FSDP / pipeline",
                                           "pipeline bubble (measured row)"]]
-    out["bubble formula"] = [ch04.bubble_formula(STAGES, int(ga)) for ga in out.index]
+    out["bubble formula"] = [bubble_formula(STAGES, int(ga)) for ga in out.index]
     return out.rename_axis("GA")
 
 

@@ -20,7 +20,7 @@ run's RSS is from the bytes planned.
 
 Full fine-tuning runs where this machine's memory allows: the planned step of every rank together under
 half of the memory available now, else its row says so. The suite runs it on the tiny model
-(tests/test_scale_rehearsal.py).
+(tests/launches/test_scale_rehearsal.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ machine noise hits both alike. Both see every row of every step, so their tokens
 distlab.results.schema.WARMUP_STEPS, the slower rank's step time) compare directly: speedup =
 tokens_per_s(tp) / tokens_per_s(single); "scaling_efficiency" is that over 2. It prints the medians, the
 spread over rounds and the ratios, then what one step sends under ddp, tp and tp with sequence parallelism
-(planning.advice.step_bytes_sent, which chapter 07 checks against counted collectives). It asserts nothing:
+(planning.wire_bytes.step_bytes_sent, which chapter 07 checks against counted collectives). It asserts nothing:
 a speedup below 1 on a CPU is an honest result (every block's all-reduce through gloo against small
 matmuls), not a failure. DDP's bytes grow with the parameters, TP's with the tokens: on the wide model TP
 sends less than DDP would, on the tiny one more.
@@ -30,7 +30,7 @@ from distlab.cli import run_main
 from distlab.config import TrainConfig
 from distlab.launch.local import launch_training
 from distlab.models import balanced_bench_model, resolve_model
-from distlab.planning.advice import step_bytes_sent
+from distlab.planning.wire_bytes import step_bytes_sent
 from distlab.results import scaling_table, schema
 
 SETUP = {"lora": False, "micro_batch_size": 4, "grad_accum": 1, "lr": 1e-3, "logging_steps": 1,

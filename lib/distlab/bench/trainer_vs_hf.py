@@ -32,8 +32,9 @@ from distlab.data import build_sft_data, load_jsonl, model_inputs, tokenize_conv
 from distlab.device import autocast, choose_device, native_bf16
 from distlab.jsonio import strict_json
 from distlab.launch.process import python_module_cmd, run
+from distlab.lm_loss import CausalLMWithLoss
 from distlab.metrics import read_log
-from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+from distlab.models import load_model, load_tokenizer
 from distlab.prepare import apply_lora, seed_everything
 from distlab.provenance import save_table, stamp
 from distlab.train import train

@@ -3,14 +3,13 @@
 The optimizer step drawn (draw_optimizer_step); the few-step run the hand-written loop is checked
 against (check_config, compare_losses); MFU beside HFU (throughput_table); the loss figure; key-fact
 accuracy on template and paraphrased questions as one table, and beside the 4-bit base's (quality_table);
-the demo answers side by side; and a real optimizer step's memory, measured in the planner's terms so the
-two stand side by side. Measuring a run means building it, which is why this lives with the chapter and not
-in distlab.measure (which watches runs others build) or distlab.planning (torch-free arithmetic)."""
+the demo answers side by side; a real step's activations by micro-batch size, and the 7B LoRA plan drawn
+against the LAN cluster's cards. A real optimizer step's memory in the planner's terms, and the QLoRA ladder of
+such steps, are distlab.step_memory (which `python -m distlab.bench.memory_recipes` runs too)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -21,106 +20,19 @@ from matplotlib.patches import FancyBboxPatch
 
 from distlab import keyfacts
 from distlab.config import TrainConfig
-from distlab.data import model_inputs
-from distlab.device import autocast, choose_device
+from distlab.device import choose_device
 from distlab.generate import keyfact_accuracy, read_fact_rows, side_by_side
-from distlab.measure.state import measure_activation_memory, measure_state
+from distlab.lm_loss import CausalLMWithLoss
 from distlab.metrics import read_log
-from distlab.models import CausalLMWithLoss
 from distlab.paths import EVAL_FILE, PARAPHRASES
-from distlab.planning import cards, memory
-from distlab.prepare import prepare_run
-from distlab.results.schema import STATE_COMPONENTS, MemoryBreakdown
+from distlab.planning import cards
+from distlab.planning.load import plan_load
+from distlab.planning.memory import breakdown_table
+from distlab.planning.plan import estimate_training_memory
+from distlab.planning.shapes import LLAMA2_7B
+from distlab.step_memory import measure_training_memory
 from distlab.strategies import make_strategy
 from distlab.train import train
-
-
-@dataclass
-class TrainingMemory:
-    """One real optimizer step of a run on one device: what it held, and what the run was, in the
-    terms of distlab.planning.memory.estimate_training_memory, so the two can be put side by side:
-    `estimate_training_memory(m.model_config, **m.estimate_args)`."""
-    measured: MemoryBreakdown
-    model_config: Any  # the HF config of the model the run built
-    estimate_args: dict[str, Any]  # the trainer's dtype, LoRA, batch shape, loss-token fraction
-
-
-def trainer_dtype(choice) -> str:
-    """The trainer's dtype name for a device choice ("auto" resolved): what the planner plans with."""
-    names = {(torch.float32, None): "fp32", (torch.float32, torch.bfloat16): "bf16-autocast",
-             (torch.bfloat16, None): "bf16", (torch.float32, torch.float16): "fp16-autocast"}
-    return names[(choice.dtype, choice.autocast_dtype)]
-
-
-def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
-    """Build the run's model exactly as distlab.train does (distlab.prepare.prepare_run), take one real
-    step on a first micro-batch, then sum weights, gradients and optimizer state and the activations
-    autograd saved."""
-    strategy = make_strategy("single")
-    choice, _, train_data, _, model = prepare_run(cfg.replace(eval_file=None), strategy)
-    model, optimizer, _ = strategy.prepare(model, choice, cfg)
-    model.train()
-    first = train_data.batch(list(range(cfg.micro_batch_size)))
-    batch = model_inputs(first, choice.device)
-
-    def loss_fn(m):
-        with autocast(choice):
-            return m(**batch)
-
-    activations = measure_activation_memory(model, loss_fn)
-    loss_fn(model).backward()
-    optimizer.step()  # creates AdamW's moments
-    measured = measure_state(model, optimizer)
-    measured.activations = activations
-    estimate_args = dict(
-        dtype=trainer_dtype(choice), lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
-        micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
-        activation_checkpointing=cfg.activation_checkpointing, lora_dropout=cfg.lora_dropout,
-        loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel())
-    return TrainingMemory(measured, model.causal_lm.config, estimate_args)
-
-
-# The QLoRA ladder (the LAN cluster guide's recipe, one change per rung), as chapter 01 and
-# `python -m distlab.bench.memory_recipes` run it: each rung adds its change to the previous one.
-LADDER = {
-    "nf4 base": {"quantization": "nf4"},
-    "+ 8-bit AdamW": {"quantization": "nf4", "optimizer": "adamw_8bit"},
-    "+ checkpointing": {"quantization": "nf4", "optimizer": "adamw_8bit", "activation_checkpointing": True},
-}
-# The guide's two changes that can alter what is learnt; checkpointing recomputes the same numbers
-QLORA = LADDER["+ 8-bit AdamW"]
-PLANNER_OPTIMIZER = {"adamw": "adamw", "adamw_8bit": "adamw8bit", "paged_adamw_8bit": "adamw8bit"}
-
-
-def ladder_plan(cfg: TrainConfig, run: TrainingMemory) -> MemoryBreakdown:
-    """The planner's single-device breakdown for a measured run of `cfg` (a rung of the ladder)."""
-    if cfg.quantization == "none":
-        return memory.estimate_training_memory(run.model_config, **run.estimate_args,
-                                               optimizer=PLANNER_OPTIMIZER[cfg.optimizer])
-    # After prepare_model_for_kbit_training the embedding is fp32, so the residual stream and all computed from it
-    # is fp32 (each 4-bit layer casts its output back to its input's dtype): 4 bytes per activation value
-    args = {**run.estimate_args, "dtype": cfg.quantization, "activation_bytes": 4, "double_quant": cfg.double_quant,
-            "optimizer": PLANNER_OPTIMIZER[cfg.optimizer]}
-    return memory.plan_memory(run.model_config, **args)
-
-
-def memory_ladder(cfg: TrainConfig, rungs=LADDER, first: TrainingMemory | None = None,
-                  first_name: str = "LoRA") -> pd.DataFrame:
-    """One row per rung (`cfg` itself first, then each of `rungs` applied to it) and component: the bytes one
-    real optimizer step held (measure_training_memory) and the planner's, in MiB, and measured / planned.
-    `first`: an already measured step of `cfg`, reused."""
-    rows = []
-    for rung, changes in {first_name: {}, **rungs}.items():
-        run_cfg = cfg.replace(**changes)
-        run = first if (first is not None and not changes) else measure_training_memory(run_cfg)
-        plan = ladder_plan(run_cfg, run)
-        for part in (*STATE_COMPONENTS, "total"):
-            got, want = run.measured.as_dict().get(part, 0.0), plan.as_dict().get(part, 0.0)
-            if got or want:
-                rows.append({"rung": rung, "component": part, "measured_mib": got / 2**20,
-                             "planned_mib": want / 2**20, "measured / planned": got / want if want else float("nan")})
-    return pd.DataFrame(rows)
-
 
 # --------------------------------------------------------------------------- the idea, drawn
 
@@ -279,17 +191,17 @@ def activation_memory_by_micro_batch(cfg: TrainConfig, micro_batch_sizes) -> pd.
 def plan_7b_lora():
     """The memory estimate of Llama-2-7B + LoRA r=16 on q,v at micro-batch 1 x 2048 tokens, weights in
     bf16 or 4-bit, activation checkpointing off or on, as a stacked bar chart against the LAN cluster's
-    12 GB and 8 GB laptop GPUs, with what the GPU holds while the model loads marked on each bar
-    (memory.plan_load). Returns (figure, table in GiB: the step's components, its total and "while loading")."""
+    12 GB and 8 GB laptop GPUs, with what the GPU holds while the model loads marked on each bar (plan_load).
+    Returns (figure, table in GiB: the step's components, its total and "while loading")."""
     rows, loading = {}, {}
     for bits, label in ((16, "bf16"), (4, "4-bit")):
         for ckpt in (False, True):
             run = dict(weight_bytes=bits / 8, lora_r=16, lora_targets=["q_proj", "v_proj"], trainable_bytes=4,
                        micro_batch=1, seq_len=2048, activation_bytes=2, activation_checkpointing=ckpt)
             name = f"{label}, ckpt {'on' if ckpt else 'off'}"
-            rows[name] = memory.estimate_training_memory(memory.LLAMA2_7B, **run)
-            loading[name] = memory.plan_load(memory.LLAMA2_7B, **run).device / 2**30
-    plan = memory.breakdown_table(rows, unit=2**30, unit_name="GiB").T
+            rows[name] = estimate_training_memory(LLAMA2_7B, **run)
+            loading[name] = plan_load(LLAMA2_7B, **run).device / 2**30
+    plan = breakdown_table(rows, unit=2**30, unit_name="GiB").T
     fig, ax = plt.subplots(figsize=(7.5, 3.5))
     plan.drop(columns="total").plot.barh(stacked=True, ax=ax)
     # while the model loads: the whole model, plus one bf16 tensor that bitsandbytes is about to pack

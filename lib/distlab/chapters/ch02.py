@@ -1,11 +1,10 @@
-"""Chapter 02 (DDP): the data-parallel idea drawn, scripts run under torchrun, a traced DDP step
-(buckets and their overlap with backward), where a step's time goes, and the fault demo's timeline."""
+"""Chapter 02 (DDP): the data-parallel idea drawn, the all-reduce's limits the cost model needs, a traced DDP
+step (buckets and their overlap with backward), where a step's time goes, and the fault demo's timeline. The
+notebook runs its scripts under torchrun with distlab.launch.scripts, as every chapter does."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -14,13 +13,12 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from distlab import paths
 from distlab.config import LORA_TARGETS
 from distlab.generate import adapter_keyfact_accuracy
-from distlab.launch.process import run
+from distlab.launch.scripts import torchrun_module_or_script
 from distlab.measure import limits, utilisation
 from distlab.metrics import read_log
-from distlab.planning import memory
+from distlab.planning.shapes import LLAMA2_7B, lora_parameter_count, parameter_count
 from distlab.provenance import save_figure
 from distlab.results import scaling_table
 from distlab.workers.launcher import run_allreduce_bench
@@ -74,7 +72,7 @@ def draw_data_parallel(path: str | Path, provenance: dict, layers: int = 4, buck
     return out
 
 
-# ---------------------------------------------------------------- scripts under torchrun
+# ---------------------------------------------------------------- the all-reduce's limits
 
 
 def allreduce_limits(figures_dir: str | Path, nproc: int, device: str, timeout_s: float) -> pd.DataFrame:
@@ -86,32 +84,6 @@ def allreduce_limits(figures_dir: str | Path, nproc: int, device: str, timeout_s
     print(f"{limits.limits_path(figures_dir)} is missing (chapter 00 not run here): measuring the all-reduce now")
     sweep = run_allreduce_bench(nproc=nproc, sizes_kib=[4, 16384], timeout_s=timeout_s, device=device, echo=False)
     return pd.DataFrame(limits.allreduce_rows(sweep), columns=limits.COLUMNS)
-
-
-def torchrun_module_or_script(target: str | Path, nproc: int = 2, args: Sequence[str] = (), timeout_s: int = 300,
-                              module: bool = False, echo: bool = False):
-    """Run a script (or `-m` module) on `nproc` local gloo ranks with torchrun, one thread per rank,
-    in its own process group with a hard timeout (distlab.launch.process). Returns its RunResult."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += ["-m", str(target)] if module else [str(target)]
-    lib = str(paths.REPO_ROOT / "lib")
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(p for p in (lib, os.environ.get("PYTHONPATH")) if p)}
-    return run(cmd + list(args), timeout_s=timeout_s, env=env, echo=echo, cwd=paths.REPO_ROOT)
-
-
-def result_line(run_result) -> dict:
-    """The JSON a script printed after `RESULT ` (rank 0's), from the run's output."""
-    for line in reversed(run_result.tail):
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
-    raise ValueError("the script printed no RESULT line:\n" + "\n".join(run_result.tail[-20:]))
-
-
-def run_script(script: str | Path, nproc: int = 2, timeout_s: int = 300, args: Sequence = ()) -> dict:
-    """Run a chapter's script on `nproc` local gloo ranks under torchrun (one thread each, a hard
-    timeout), with `args` as its command line; returns the JSON rank 0 printed after `RESULT ` (chapters
-    03, 04, 06 and 07 use it too)."""
-    return result_line(torchrun_module_or_script(script, nproc=nproc, args=[str(a) for a in args], timeout_s=timeout_s))
 
 
 # ---------------------------------------------------------------- one DDP step, traced
@@ -328,11 +300,11 @@ def plot_loss_by_world_size(logs: Mapping[int, str | Path], path: str | Path, pr
 def allreduce_cost_table(model, lora_rank: int = 16) -> pd.DataFrame:
     """Bytes and ring all-reduce time of one step's fp32 gradients at 1, 10 and 100 Gbit/s on 2 ranks:
     LoRA and full fine-tuning, of `model` (a transformers model) and of Llama-2-7B."""
-    llama = memory.LLAMA2_7B
-    cases = {"LoRA, this model": memory.lora_parameter_count(model.config, lora_rank, LORA_TARGETS),
+    llama = LLAMA2_7B
+    cases = {"LoRA, this model": lora_parameter_count(model.config, lora_rank, LORA_TARGETS),
              "full, this model": sum(p.numel() for p in model.parameters()),
-             f"LoRA r{lora_rank} (7 proj), Llama-2-7B": memory.lora_parameter_count(llama, lora_rank, LORA_TARGETS),
-             "full, Llama-2-7B": memory.parameter_count(llama)}
+             f"LoRA r{lora_rank} (7 proj), Llama-2-7B": lora_parameter_count(llama, lora_rank, LORA_TARGETS),
+             "full, Llama-2-7B": parameter_count(llama)}
     rows = []
     for name, n in cases.items():
         row = {"gradients": name, "trainable_params": int(n), "MiB_per_step_fp32": n * 4 / 2**20}

@@ -15,10 +15,14 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Rectangle
 
-from distlab.chapters.ch02 import torchrun_module_or_script
-from distlab.config import LORA_TARGETS
-from distlab.planning import memory
+from distlab.config import LORA_TARGETS, STRATEGY_NAMES
+from distlab.launch.scripts import torchrun_module_or_script
+from distlab.planning.advice import recommend
+from distlab.planning.cards import LAN_CLUSTER
+from distlab.planning.load import plan_load
 from distlab.planning.memory import GIB, breakdown_table
+from distlab.planning.plan import DTYPE_BYTES, plan_memory
+from distlab.planning.shapes import parameter_layout
 from distlab.provenance import save_figure
 from distlab.results.schema import MemoryBreakdown
 
@@ -134,7 +138,7 @@ def comm_table(runs: Mapping[str, Mapping[int, Mapping]], config, accumulation: 
     for name, results in runs.items():
         rec = results[0]
         k, strategy = rec["world_size"], rec["strategy"]
-        layout = memory.parameter_layout(config, rec.get("lora_r") if rec["mode"] == "lora" else None, None)
+        layout = parameter_layout(config, rec.get("lora_r") if rec["mode"] == "lora" else None, None)
         trained = sum(p.numel for p in layout if p.trainable)
         every = sum(p.numel for p in layout)
         root = config.vocab_size * config.hidden_size + config.hidden_size  # embedding (tied head) + final norm
@@ -194,7 +198,7 @@ def plot_loss_by_strategy(curves: pd.DataFrame, modes: Sequence[str], path, prov
 
 # ---------------------------------------------------------------- the LAN cluster's cards
 
-RESERVE_GIB = inspect.signature(memory.recommend).parameters["reserve_gib"].default  # the recommender's reserve
+RESERVE_GIB = inspect.signature(recommend).parameters["reserve_gib"].default  # the recommender's reserve
 SETUPS = (("LoRA, bf16 weights", dict(lora_r=16, weight_bytes=2)),
           ("LoRA, 8-bit weights", dict(lora_r=16, weight_bytes=1)),
           ("LoRA, 4-bit weights", dict(lora_r=16, weight_bytes=0.5)), ("full, bf16", dict(lora_r=None, weight_bytes=2)))
@@ -214,7 +218,7 @@ def fit_table(models: Mapping[str, object], cards: Sequence[Mapping], world_size
                     continue
                 run = dict(strategy=s, world_size=world_size, micro_batch=1, seq_len=2048, activation_bytes=2,
                            activation_checkpointing=True, lora_targets=targets.get(name), **kw)
-                step, load = memory.plan_memory(shape, **run), memory.plan_load(shape, **run)
+                step, load = plan_memory(shape, **run), plan_load(shape, **run)
                 peak = max(step.total, load.device) / GIB
                 fits = [c["name"] for c in cards if peak <= c["memory_gib"] - RESERVE_GIB]
                 rows.append({"model": name, "setup": setup, "strategy": s, "planned_gib": step.total / GIB,
@@ -256,19 +260,19 @@ def plot_breakdowns(rows: Mapping[str, MemoryBreakdown], capacities: Mapping[str
 
 def plan_figure(models: Mapping[str, object], model: str = "Qwen2.5-7B-Instruct", dtype: str = "bf16",
                 lora_r: int = 16, micro_batch: int = 1, seq_len: int = 2048, strategy: str = "all",
-                world_size: int = 3, checkpointing: bool = True, cards: Sequence[Mapping] = memory.LAN_CLUSTER[:2]):
+                world_size: int = 3, checkpointing: bool = True, cards: Sequence[Mapping] = LAN_CLUSTER[:2]):
     """The planner's per-rank bytes for one setup, every strategy, against the usable memory of `cards`
     (a card's "GB" are GiB, distlab.planning.cards, less the recommender's reserve)."""
-    wb, ab = memory.DTYPE_BYTES[dtype]
-    shown = memory.STRATEGY_NAMES[:5] if strategy == "all" else (strategy,)
+    wb, ab = DTYPE_BYTES[dtype]
+    shown = STRATEGY_NAMES[:5] if strategy == "all" else (strategy,)
     rows = {}
     for s in shown:
         if wb < 2 and (not lora_r or s not in ("ddp", "single")):
             continue  # quantised base weights: LoRA on one replica per GPU only
         k = 1 if s == "single" else world_size
-        rows[f"{s} x{k}"] = memory.plan_memory(models[model], strategy=s, world_size=k, weight_bytes=wb,
-                                               activation_bytes=ab, lora_r=lora_r or None, micro_batch=micro_batch,
-                                               seq_len=seq_len, activation_checkpointing=checkpointing)
+        rows[f"{s} x{k}"] = plan_memory(models[model], strategy=s, world_size=k, weight_bytes=wb,
+                                        activation_bytes=ab, lora_r=lora_r or None, micro_batch=micro_batch,
+                                        seq_len=seq_len, activation_checkpointing=checkpointing)
     usable = {}
     for c in sorted(cards, key=lambda c: c["memory_gib"]):
         name, left = c["name"].removeprefix("GeForce "), c["memory_gib"] - RESERVE_GIB
@@ -379,9 +383,9 @@ def qlora_bytes_table(records: Mapping[str, Mapping[int, Mapping]], model_config
     for strategy, by_rank in records.items():
         world = len(by_rank)
         for rank, rec in sorted(by_rank.items()):
-            plan = memory.plan_memory(model_config, strategy=strategy, world_size=world, rank=rank, dtype="nf4",
-                                      double_quant=QLORA["double_quant"], lora_r=rec["lora_r"],
-                                      lora_targets=LORA_TARGETS, activation_bytes=4)
+            plan = plan_memory(model_config, strategy=strategy, world_size=world, rank=rank, dtype="nf4",
+                               double_quant=QLORA["double_quant"], lora_r=rec["lora_r"],
+                               lora_targets=LORA_TARGETS, activation_bytes=4)
             row = {"run": f"{strategy} x{world}", "rank": rank}
             for part in ("weights", "adapter_weights", "gradients", "optimizer_state"):
                 row[f"{part} MiB"] = rec["state_bytes"][part] / 2**20
@@ -398,7 +402,7 @@ def advice_before_after(shape, cards: Sequence[Mapping], model_name: str, **kw) 
     rows = []
     for when, shard in (("before: a quantised base runs one replica per GPU", False),
                         ("after: FSDP may shard a 4-bit base", True)):
-        rec = memory.recommend(shape, cards, model_name=model_name, shard_quantised=shard, **kw)
+        rec = recommend(shape, cards, model_name=model_name, shard_quantised=shard, **kw)
         tried = rec.decision.tried("fsdp", 0.5)
         rows.append({"advice": when, "recommended": rec.label,
                      "GiB per GPU": round(rec.decision.chosen.peak / GIB, 2) if rec.plan is not None else float("nan"),

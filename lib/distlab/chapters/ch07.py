@@ -1,9 +1,9 @@
 """Chapter 07 (tensor parallelism): Megatron's split drawn, the by-hand and DTensor results set side by side,
 the bytes a layer all-reduces against the formula, the loss of a `tp` run against one device, and the bytes one
-optimizer step sends under ddp, fsdp, tp and tp with sequence parallelism (formula and counted); the devices,
-dtypes and loss tolerance each run gets on this machine (distlab.machine). Chapter 08 (2-D meshes) builds on it
-and imports what both share: those devices and tolerances, the scripts' launcher, the loss comparison and the
-diagrams' colours."""
+optimizer step sends under ddp, fsdp, tp and tp with sequence parallelism (formula and counted). What it shares
+with chapter 08 (2-D meshes), which builds on it, lives below both in distlab.lessons: the devices, dtypes and
+loss tolerance each run gets on this machine, the loss comparison, Megatron's bytes per layer and the diagrams'
+colours; the notebook runs its scripts with distlab.launch.scripts."""
 
 from __future__ import annotations
 
@@ -16,19 +16,14 @@ import pandas as pd
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from distlab import paths
-from distlab.chapters.ch02 import run_script  # noqa: F401 (the notebook calls ch07.run_script)
 from distlab.launch import local
 from distlab.launch.torchrun import torchrun_flags
-from distlab.machine import TOLERANCES, AutoParameters, pick
-from distlab.metrics import read_log
-from distlab.planning.advice import step_bytes_sent
+from distlab.lessons import RANK_COLORS, allreduce_bytes_per_layer, save_diagram
 from distlab.planning.memory import state_vs_plan
-from distlab.provenance import save_figure
+from distlab.planning.wire_bytes import step_bytes_sent
 from distlab.results.extract import collect_sweep
 from distlab.workers import launcher
 from distlab.workers.step_bytes import RUNS as STEP_BYTES_RUNS  # {name: TrainConfig fields}
-
-RANK_COLORS = ("C0", "C1")
 
 # ---------------------------------------------------------------- the idea, drawn
 
@@ -86,25 +81,10 @@ def draw_tensor_parallel(path: str | Path, provenance: dict, config, tp: int = 2
     ax_f.text(7.0, 0.55, "forward: 2 all-reduces of b x s x h (red); backward: 2 more, of the input "
               "gradients (green, dashed)", ha="center", fontsize=8)
     ax_f.axis("off")
-    return _saved(fig, path, provenance)
-
-
-def _saved(fig, path: str | Path, provenance: dict) -> Path:
-    """A drawn diagram laid out, saved with its provenance, and closed (the notebook displays the file)."""
-    fig.tight_layout()
-    out = save_figure(fig, path, provenance)
-    plt.close(fig)
-    return out
+    return save_diagram(fig, path, provenance)
 
 
 # ---------------------------------------------------------------- tables
-
-
-def allreduce_bytes_per_layer(batch: int, seq: int, hidden: int, bytes_per_value: int = 4) -> dict[str, int]:
-    """Megatron's count: the block outputs (forward) and block input gradients (backward) of attention
-    and MLP, each b x s x h values."""
-    one = batch * seq * hidden * bytes_per_value
-    return {"forward": 2 * one, "backward": 2 * one}
 
 
 def differences(by_hand: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
@@ -115,49 +95,23 @@ def differences(by_hand: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
 
 def layer_bytes(by_hand: Mapping, dtensor: Mapping, batch: int, seq: int, hidden: int,
                 bytes_per_value: int = 4) -> pd.DataFrame:
-    """All-reduce payload bytes of one decoder layer: the formula, the by-hand split, DTensor's plan."""
+    """All-reduce payload bytes of one decoder layer: the formula, the by-hand split, DTensor's per-projection
+    plan and, where `dtensor` holds its `block_input` run, the same plan with each block's input made one
+    DTensor first (distlab.strategies.tp.block_input_plan)."""
     formula = allreduce_bytes_per_layer(batch, seq, hidden, bytes_per_value)
+    plans = {"DTensor": dtensor, **({"DTensor + block input": dtensor["block_input"]} if "block_input" in dtensor
+                                   else {})}
     rows = {}
     for phase in ("forward", "backward"):
-        calls = dtensor[phase]
         rows[phase] = {"formula: all-reduces": 2, "formula: bytes": formula[phase],
                        "by hand: all-reduces": sum(b[f"{phase}_calls"] for b in by_hand.values()),
-                       "by hand: bytes": sum(b[f"{phase}_bytes"] for b in by_hand.values()),
-                       "DTensor: all-reduces": sum(1 for name, _ in calls if name == "all_reduce"),
-                       "DTensor: bytes": sum(n for name, n in calls if name == "all_reduce")}
+                       "by hand: bytes": sum(b[f"{phase}_bytes"] for b in by_hand.values())}
+        for label, run in plans.items():
+            rows[phase][f"{label}: all-reduces"] = sum(1 for name, _ in run[phase] if name == "all_reduce")
+            rows[phase][f"{label}: bytes"] = sum(n for name, n in run[phase] if name == "all_reduce")
     table = pd.DataFrame(rows).T
     table.loc["per layer"] = table.sum()
     return table.astype(int)
-
-
-def loss_tolerance(*dtypes: str) -> float:
-    """The `auto` loss_atol for runs that compute in `dtypes`: the loosest of their tolerances
-    (distlab.machine.TOLERANCES), so a one-device run on a GPU in bf16 beside TP ranks on CPU in fp32 (one GPU:
-    the ranks cannot share it) is held to bf16's, and two fp32 runs to fp32's rounding."""
-    loose = TOLERANCES["bf16-autocast"]["loss_atol"]  # any dtype but fp32 rounds like bf16 or worse
-    return max(TOLERANCES["fp32"]["loss_atol"] if d == "fp32" else loose for d in dtypes)
-
-
-def run_devices(device: str, dtype: str, auto: AutoParameters) -> tuple[dict[str, str], dict[str, str]]:
-    """(the one-device run's device and dtype, the distributed runs'): "auto" takes distlab.machine's choice,
-    a GPU for one device where there is one and for the ranks only where each gets its own; an explicit value
-    (a profile's, the reader's) applies to both."""
-    return ({"device": pick(device, auto.device), "dtype": pick(dtype, auto.dtype)},
-            {"device": pick(device, auto.rank_device), "dtype": pick(dtype, auto.rank_dtype)})
-
-
-def rank_needs(device: str, ranks: int) -> tuple[str, ...]:
-    """What `ranks` ranks on `device` need of the machine (distlab.machine.Sections): a GPU each under NCCL,
-    nothing on CPU (gloo ranks may share cores: the runs check what is computed, not speed)."""
-    return (f"gpus:{ranks}",) if device == "cuda" else ()
-
-
-def loss_comparison(single_log: str | Path, tp_log: str | Path, label: str = "tp, 2 ranks") -> pd.DataFrame:
-    """Step losses of one device and of a split run (the steps both ran), and their difference."""
-    one = pd.DataFrame(read_log(single_log)).set_index("step")["loss"]
-    tp = pd.DataFrame(read_log(tp_log)).set_index("step")["loss"]
-    one = one.loc[one.index.isin(tp.index)]
-    return pd.DataFrame({"one device": one, label: tp, "difference": (tp - one).abs()})
 
 
 TP_RUNS = "07_tp_runs"  # the launch that runs both tp runs, one after the other in the same two ranks
@@ -203,7 +157,7 @@ def measure_step_bytes(rows: int, seq_len: int, timeout_s: int = 300) -> dict:
 
 
 def step_bytes_table(measured: Mapping, config) -> pd.DataFrame:
-    """Per strategy, the MiB one rank sends in the step: the formula (distlab.planning.advice.step_bytes_sent,
+    """Per strategy, the MiB one rank sends in the step: the formula (distlab.planning.wire_bytes.step_bytes_sent,
     part by part) beside the counted collectives, their ratio, and the step's loss (the same for all)."""
     k, rows, seq = measured["world_size"], measured["rows"], measured["seq_len"]
     table = {}

@@ -2,8 +2,8 @@
 each rank's bytes set against the planner; HSDP's (replicate, shard) mesh and the 3-D (pp, dp, tp) mesh drawn;
 decoding split by layers (chapter 06's pipeline) against split within layers (TP); and TP against DDP across
 chapter 05's shaped links (step time against link rate, beside bytes / rate; on loopback, labelled so, in the
-localhost fallback). The devices, dtypes and loss tolerance each run gets, the scripts' launcher and the diagrams'
-colours are chapter 07's (distlab.chapters.ch07), which this chapter builds on."""
+localhost fallback). The devices, dtypes and loss tolerance each run gets, the loss comparison and the diagrams'
+colours it shares with chapter 07, which it builds on: they live below both, in distlab.lessons."""
 
 from __future__ import annotations
 
@@ -20,24 +20,14 @@ from matplotlib.patches import Rectangle
 from distlab import paths
 from distlab.bench import lan_ddp
 from distlab.chapters import ch05
-from distlab.chapters.ch07 import (  # noqa: F401 (the notebook calls them as ch08.*: chapter 07's, shared)
-    RANK_COLORS,
-    _saved,
-    allreduce_bytes_per_layer,
-    loss_comparison,
-    loss_tolerance,
-    rank_needs,
-    run_devices,
-    run_script,
-)
 from distlab.inference.outputs import latency_stats, load_run, run_here
 from distlab.lan import host_runs
 from distlab.lan.hosts import LOOPBACK, bucket_bytes, burst_bytes, link_bits, link_bytes_per_s, rate_bits
 from distlab.launch import local
+from distlab.lessons import RANK_COLORS, save_diagram
 from distlab.metrics import read_log
-from distlab.planning.advice import communication_bytes
 from distlab.planning.memory import state_vs_plan
-from distlab.planning.shapes import config_value
+from distlab.planning.wire_bytes import communication_bytes, step_bytes_sent
 from distlab.results import schema
 from distlab.results.extract import collect_run
 
@@ -74,7 +64,7 @@ def draw_mesh_2d(path: str | Path, provenance: dict, dp: int = 2, tp: int = 2) -
     ax.text(right / 2, -0.6, f"{dp * tp} ranks as a {dp} x {tp} mesh (dp, tp): tp inside a node, on its fast "
             "link; dp across nodes", ha="center", fontsize=8)
     ax.axis("off")
-    return _saved(fig, path, provenance)
+    return save_diagram(fig, path, provenance)
 
 
 GPU_W = 1.85  # width of one GPU's box in the mesh diagrams (data units)
@@ -139,7 +129,7 @@ def draw_hsdp_and_3d(path: str | Path, provenance: dict) -> Path:
     ax_3.text(6.25, -0.75, "red: TP all-reduces (every block)   green: FSDP gathers and reduce-scatters (every "
               "layer)   blue: pipeline sends (every micro-batch)", ha="center", fontsize=7)
     ax_3.axis("off")
-    return _saved(fig, path, provenance)
+    return save_diagram(fig, path, provenance)
 
 
 # ---------------------------------------------------------------- FSDP x TP on 4 ranks, against one device
@@ -212,20 +202,17 @@ def _mean_ttft(completions: list[dict]) -> float:
 
 # LoRA, as on chapter 05's LAN; instruments off (throughput runs); the tiny model on CPU whatever the profile.
 LINK_TRAINING = {"lora": True, "lr": 1e-2, "measure_comm": False, "model": None, "device": "cpu", "dtype": "fp32"}
-# all-reduces per layer in backward with DTensor's per-projection plan (chapter 07, section 4): q, k, v, gate, up
-DTENSOR_BACKWARD = 5
 
 
 def link_bytes(config, rows: int, seq_len: int, lora_r: int = 16) -> dict[str, float]:
-    """Bytes each of 2 ranks sends per optimizer step. tp: every layer's activation all-reduces of
-    rows x seq x hidden fp32 values, Megatron's 2 forward (allreduce_bytes_per_layer) and DTensor's 5
-    backward; ddp: the planner's ring all-reduce of the LoRA gradients. On 2 ranks a ring all-reduce sends
-    2 (k - 1) / k = 1 times its payload."""
-    hidden, layers = config_value(config, "hidden_size"), config_value(config, "num_hidden_layers")
-    layer = allreduce_bytes_per_layer(rows, seq_len, hidden)
-    per_layer = layer["forward"] + layer["backward"] * DTENSOR_BACKWARD / 2
-    return {"tp": layers * per_layer,
-            "ddp": communication_bytes(config, "ddp", 2, lora_r=lora_r, grad_bytes=4)}
+    """Bytes each of 2 ranks sends per optimizer step of LoRA (rank `lora_r`, all seven projections), as
+    distlab.planning.wire_bytes counts them. tp: every layer's activation all-reduces of rows x seq x hidden fp32
+    values, Megatron's 2 forward and 2 backward (the `tp` strategy sums each block's input gradient once,
+    chapter 07 section 4), less the first block's input gradient that a frozen embedding never needs, and the
+    LoRA factors' small sums; ddp: the ring all-reduce of the LoRA gradients. On 2 ranks a ring all-reduce
+    sends 2 (k - 1) / k = 1 times its payload."""
+    tp = step_bytes_sent(config, "tp", 2, rows=rows, seq_len=seq_len, lora_r=lora_r)
+    return {"tp": sum(tp.values()), "ddp": communication_bytes(config, "ddp", 2, lora_r=lora_r, grad_bytes=4)}
 
 
 def link_runs(rates: Sequence[str], rows: int, seq_len: int) -> list[lan_ddp.LinkRun]:
@@ -317,7 +304,7 @@ def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path
     ax.set_title("tp and ddp on 2 ranks, tiny model with LoRA, the same rows per step\n"
                  "2 emulated hosts, links shaped by tc tbf", fontsize=10)
     ax.legend(fontsize=8)
-    return _saved(fig, path, provenance)
+    return save_diagram(fig, path, provenance)
 
 
 def _loopback_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path, provenance: dict) -> Path:
@@ -332,4 +319,4 @@ def _loopback_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str |
     ax.set_ylabel("median step time (s)")
     ax.set_title("tp and ddp on 2 ranks, tiny model with LoRA, the same rows per step\n"
                  f"FALLBACK: 2 agents on localhost: {LOOPBACK}, not shaped (no link rate applied)", fontsize=10)
-    return _saved(fig, path, provenance)
+    return save_diagram(fig, path, provenance)

@@ -1,14 +1,14 @@
 """The enterprise assistant's acceptance checks, over run folders (exit 1 naming each failed check).
 
-    python -m distlab.accept build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --answers build/infer
+    python -m distlab accept build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --answers build/infer
 
   log fields   rank 0's step log has world_size, step_time_s and tokens_per_s (finite, > 0) every N steps
                (N: --every, else the run's own logging_steps) and at the last step, and a finite loss at
                every logged step and at the end (a NaN or infinite loss fails the run, naming the step)
   activity     non-zero device activity during training: the run's monitor.csv (distlab.commands.matrix writes it;
-               or run the launch under `python -m distlab.monitor --out RUN -- ...`, or give --monitor CSV)
+               or run the launch under `python -m distlab monitor --out RUN -- ...`, or give --monitor CSV)
                shows utilisation > 0 on the GPUs, or on every training rank on CPU
-  answers      with --answers DIR (python -m distlab.infer's --out): every answer differs before/after and,
+  answers      with --answers DIR (python -m distlab infer's --out): every answer differs before/after and,
                when the prompts carry facts, key-fact accuracy rose (--min-changed: a share instead of all)
   throughput   with two or more world sizes: tokens/s rises with world size (distlab.results.schema's
                steady-state tokens/s)
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from distlab.cli import UsageError, finite_float, run_main
+from distlab.cli import UsageError, finite_float
 from distlab.metrics import read_log
 from distlab.results import schema
 
@@ -78,8 +78,8 @@ def check_log_fields(run: Path, every: int | None) -> tuple[bool, str]:
 def check_activity(run: Path, monitor: Path | None) -> tuple[bool | None, str]:
     csv = monitor or run / "monitor.csv"
     if not csv.is_file():
-        return False, (f"{csv}: no utilisation samples (launch with python -m distlab.matrix, or under "
-                       f"python -m distlab.monitor --out {run} -- ...)")
+        return False, (f"{csv}: no utilisation samples (launch with python -m distlab matrix, or under "
+                       f"python -m distlab monitor --out {run} -- ...)")
     df = pd.read_csv(csv, dtype={"id": str})
     gpus = df[df["source"] == "gpu"]
     if not gpus.empty:
@@ -99,7 +99,7 @@ def check_activity(run: Path, monitor: Path | None) -> tuple[bool | None, str]:
 def check_answers(answers: Path, min_changed: float = 1.0) -> tuple[bool, str]:
     summary_file = answers / "summary.json"
     if not summary_file.is_file():
-        raise FileNotFoundError(f"--answers {answers}: no summary.json (the --out folder of python -m distlab.infer)")
+        raise FileNotFoundError(f"--answers {answers}: no summary.json (the --out folder of python -m distlab infer)")
     s = json.loads(summary_file.read_text())
     if "after" not in s:
         return False, f"{summary_file}: inference ran without --adapter: nothing to compare"
@@ -127,12 +127,12 @@ def check_throughput(runs: list[Path]) -> tuple[bool | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.accept", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m distlab accept", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folder (train_log.jsonl, monitor.csv)")
     parser.add_argument("--every", type=int, help="log fields every N steps (default: the run's logging_steps)")
     parser.add_argument("--monitor", help="utilisation CSV for every run (default: RUN/monitor.csv)")
-    parser.add_argument("--answers", help="python -m distlab.infer's --out folder (before/after answers)")
+    parser.add_argument("--answers", help="python -m distlab infer's --out folder (before/after answers)")
     parser.add_argument("--min-changed", type=finite_float, default=1.0,
                         help="share of answers that must differ before/after (default 1: all)")
     parser.add_argument("--skip", action="append", default=[], choices=CHECKS, help="skip a check (repeatable)")
@@ -162,12 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}  {check:<10}  {subject}: {detail}", flush=True)
     failed = [f"{check} ({subject})" for check, subject, ok, _ in results if ok is False]
     if failed:
-        print(f"python -m distlab.accept: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
+        print(f"{parser.prog}: {len(failed)} check(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     print(f"all {sum(ok is True for *_, ok, _ in results)} checks passed "
           f"({sum(ok is None for *_, ok, _ in results)} skipped)")
     return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,6 +1,6 @@
 """Before/after inference with an adapter (the enterprise LoRA demo's infer_before_after.py).
 
-    python -m distlab.infer --adapter build/runs/enterprise_7b/run_4gpu/model --prompts data/prompts/demo_prompts.jsonl
+    python -m distlab infer --adapter build/runs/enterprise_7b/run_4gpu/model --prompts data/prompts/demo_prompts.jsonl
 
 Loads the base model once, answers every prompt (before), wraps the same model with the LoRA adapter
 (PEFT) and answers again (after). The enterprise assistant's generation settings by default: temperature 0.2, top-p 0.9,
@@ -25,9 +25,9 @@ import shutil
 from pathlib import Path
 
 from distlab import keyfacts, markdown
-from distlab.cli import UsageError, finite_float, run_main
+from distlab.cli import UsageError, finite_float
 from distlab.config import check_field, is_hub_id
-from distlab.data import DataError, load_prompts
+from distlab.data import load_prompts
 from distlab.generate import GENERATION_DEFAULTS, attach_adapter, generate, side_by_side
 from distlab.jsonio import strict_json
 from distlab.paths import BUILD_DIR
@@ -55,20 +55,9 @@ def load_base(model: str | None):
     return load_model(model, attn_implementation="sdpa"), load_tokenizer(model)
 
 
-def read_prompts(prompts_file: Path):
-    """The prompts and their rows, every row's `facts` checked (file:line named) before anything is generated."""
-    prompts = load_prompts(prompts_file)
-    rows = prompt_rows(prompts_file, prompts)
-    for conv, row in zip(prompts, rows):
-        try:
-            keyfacts.facts_of(row)
-        except ValueError as e:
-            raise DataError(prompts_file, conv.line, "facts", str(e)) from None
-    return prompts, rows
-
-
 def run(prompts_file: Path, adapter: Path | None, model: str | None, out: Path, greedy: bool, **sampling) -> dict:
-    prompts, rows = read_prompts(prompts_file)
+    prompts = load_prompts(prompts_file)
+    rows = [{"id": p.id, "facts": p.facts} for p in prompts]  # what keyfacts.score_rows reads of a prompt
     base, tokenizer = load_base(model)
     before = generate(base, tokenizer, prompts, greedy=greedy, out_path=out / "before.jsonl", label="before",
                       **sampling)
@@ -87,12 +76,6 @@ def run(prompts_file: Path, adapter: Path | None, model: str | None, out: Path, 
     return summary
 
 
-def prompt_rows(path: Path, prompts) -> list[dict]:
-    """The prompt rows as written, with the ids generate() gives them, for their `facts`."""
-    lines = path.read_text(encoding="utf-8").split("\n")
-    return [{**json.loads(lines[c.line - 1]), "id": c.id or f"prompt-{i}"} for i, c in enumerate(prompts)]
-
-
 def _markdown(table, summary: dict) -> str:
     lines = ["| id | prompt | before | after |", "|---|---|---|---|"]
     cell = markdown.cell  # prompts and answers are the model's text: escaped
@@ -105,7 +88,7 @@ def _markdown(table, summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.infer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab infer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", required=True, help="JSONL of prompts (rows may carry `facts`)")
     parser.add_argument("--adapter", help="LoRA adapter folder (a run's model/ folder); omit for the base only")
     parser.add_argument("--model", help="base model: folder, hub id or preset (default: the adapter's base)")
@@ -135,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(downloads it) or --model FOLDER (a local copy)")
     if args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.temperature <= 0:
         raise UsageError("--max-new-tokens must be >= 1, --top-p in (0, 1], --temperature > 0")
-    read_prompts(prompts)  # the whole input is checked before the model loads (it is cheap: no tokenizer)
+    load_prompts(prompts)  # every row, its facts and its id checked before the model loads (cheap: no tokenizer)
     out = Path(args.out)
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # a previous run's leftovers
@@ -158,7 +141,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[infer] {summary['changed']} of {summary['answers']} answers changed; table: {out / 'before_after.md'}")
     print(strict_json({"wrote": sorted(str(p) for p in out.iterdir())}))
     return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,9 +1,9 @@
-"""The strategy x world-size matrix (the Kubernetes benchmark's run_all_benchmarks), run locally with
-the same generated torchrun scripts a cluster would run.
+"""The strategy x world-size matrix, run locally with the same generated torchrun scripts a cluster would run
+(the Kubernetes benchmark's run_all_benchmarks).
 
-    python -m distlab.matrix --strategies ddp,fsdp --world-sizes 1,2 --steps 20 --runs-dir build/runs/matrix
-    python -m distlab.report build/runs/matrix/*_ws*      # metrics csv, plots, BENCHMARK_REPORT.md
-    python -m distlab.scaling build/runs/matrix/ddp_ws*   # the scaling summary of one strategy
+    python -m distlab matrix --strategies ddp,fsdp --world-sizes 1,2 --steps 20 --runs-dir build/runs/matrix
+    python -m distlab report build/runs/matrix/*_ws*      # metrics csv, plots, BENCHMARK_REPORT.md
+    python -m distlab scaling build/runs/matrix/ddp_ws*   # the scaling summary of one strategy
 
 Each cell is one launch (distlab.launch.local: <runs-dir>/launch/<run>.sh, own process group, hard timeout)
 into <runs-dir>/<strategy>_ws<k>/, with its step logs, console.log holding every rank's result markers, and
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError
 from distlab.config import PIPELINE_STRATEGIES, STRATEGY_NAMES, load_config, parse_override
 from distlab.launch.local import TINY_CONFIG, launch_training, max_local_ranks
 from distlab.measure.utilisation import UtilizationSampler, plot_utilization
@@ -50,7 +50,7 @@ def cells(strategies: list[str], world_sizes: list[int]) -> list[tuple[str, int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.matrix", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab matrix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategies", default="ddp", help="comma-separated, e.g. ddp,fsdp,zero2 (default ddp)")
     parser.add_argument("--world-sizes", default="1,2", help="comma-separated rank counts (default 1,2)")
     parser.add_argument("--config", default=str(TINY_CONFIG), help="TrainConfig YAML (default tiny_lora.yaml)")
@@ -100,10 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         if not job.result.ok:
             failed.append(f"{name} ({status}; log {run_dir / 'console.log'})")
     if failed:
-        print(f"python -m distlab.matrix: {len(failed)} of {len(todo)} run(s) failed: " + "; ".join(failed),
+        print(f"{parser.prog}: {len(failed)} of {len(todo)} run(s) failed: " + "; ".join(failed),
               file=sys.stderr)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    run_main(main, sigterm_exits=True)

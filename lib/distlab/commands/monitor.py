@@ -1,7 +1,7 @@
 """Device activity around any command (the enterprise LoRA demo's rocm-smi / nvidia-smi watch).
 
-    python -m distlab.monitor --out build/monitor -- bash launch/run_1gpu.sh
-    python -m distlab.monitor --out build/runs/x -- python -m distlab.train --config ...
+    python -m distlab monitor --out build/monitor -- bash launch/run_1gpu.sh
+    python -m distlab monitor --out build/runs/x -- python -m distlab.train --config ...
 
 Runs the command in its own process group with a hard timeout (distlab.launch.process), samples every
 `--interval-s` the utilisation and memory of each GPU (nvidia-smi / rocm-smi) or, without one, of each process
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from distlab.cli import UsageError, finite_float, run_main
+from distlab.cli import UsageError, finite_float
 from distlab.launch.process import run
 from distlab.measure.utilisation import UtilizationSampler, plot_utilization
 from distlab.paths import BUILD_DIR
@@ -36,8 +36,8 @@ def summarise(csv_path) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.monitor", description=__doc__.split("\n\n")[0],
-                                     usage="python -m distlab.monitor [options] -- CMD [ARG ...]")
+    parser = argparse.ArgumentParser(prog="python -m distlab monitor", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [options] -- CMD [ARG ...]")
     parser.add_argument("--out", default=str(BUILD_DIR / "monitor"), help="folder for monitor.csv/.png")
     parser.add_argument("--interval-s", type=finite_float, default=0.5, help="seconds between samples (default 0.5)")
     parser.add_argument("--source", choices=["auto", "gpu", "process"], default="auto",
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args, cmd = parser.parse_args(argv[:split]), argv[split + 1:]
     if not cmd:
-        raise UsageError("no command to monitor: put it after `--`, e.g. python -m distlab.monitor -- sleep 1")
+        raise UsageError(f"no command to monitor: put it after `--`, e.g. {parser.prog} -- sleep 1")
     if args.interval_s <= 0 or args.timeout_s <= 0:
         raise UsageError(f"--interval-s {args.interval_s} / --timeout-s {args.timeout_s}: both must be > 0")
     out = Path(args.out)
@@ -67,7 +67,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[monitor] the command {'timed out' if result.timed_out else f'exited {result.returncode}'}",
               file=sys.stderr)
     return 124 if result.timed_out else (result.returncode or 0)
-
-
-if __name__ == "__main__":
-    run_main(main, sigterm_exits=True)

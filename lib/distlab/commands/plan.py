@@ -1,6 +1,6 @@
 """A training config's memory plan per rank and the LAN-cluster guide's advice, before anything runs.
 
-    python -m distlab.commands.plan --config lib/distlab/configs/lan_qlora_7b.yaml [--set seq_len=1024]
+    python -m distlab plan --config lib/distlab/configs/lan_qlora_7b.yaml [--set seq_len=1024]
 
 Reads the config as distlab.train does (every field checked), takes the model's shape offline (a folder's
 config.json, a random preset, the tiny default, or one of the studied models' hub ids: no download), and
@@ -18,10 +18,13 @@ import json
 from pathlib import Path
 
 from distlab import markdown
-from distlab.cli import UsageError, finite_float, run_main
+from distlab.cli import UsageError, finite_float
 from distlab.config import load_config, parse_override
-from distlab.planning import memory
+from distlab.planning.advice import recommend
+from distlab.planning.cards import LAN_CLUSTER
 from distlab.planning.load import plan_load
+from distlab.planning.memory import GIB, breakdown_table
+from distlab.planning.plan import plan_memory
 from distlab.planning.shapes import CASE_STUDY_MODEL_IDS
 
 # TrainConfig.optimizer -> the planner's optimizer (paging moves the state, it does not shrink it)
@@ -46,7 +49,7 @@ def model_shape_of(model: str | None) -> dict:
 
 def parse_devices(text: str | None) -> list[dict]:
     if not text:
-        return memory.LAN_CLUSTER
+        return LAN_CLUSTER
     devices = []
     for item in text.split(","):
         name, _, gb = item.rpartition(":")
@@ -67,12 +70,12 @@ def config_plan(cfg, shape: dict, world_size: int):
                     micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
                     activation_checkpointing=cfg.activation_checkpointing,
                     optimizer=PLANNER_OPTIMIZER[cfg.optimizer], activation_bytes=2, double_quant=cfg.double_quant)
-    return (memory.plan_memory(shape, strategy=strategy, world_size=world_size, **settings),
+    return (plan_memory(shape, strategy=strategy, world_size=world_size, **settings),
             plan_load(shape, strategy=strategy, world_size=world_size, **settings))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.commands.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML file of TrainConfig fields")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one field")
     parser.add_argument("--devices", help="NAME:GB,... (default: the LAN cluster guide's three GPUs)")
@@ -83,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape_of(cfg.model)
     plan, load = config_plan(cfg, shape, len(devices))
     peak = max(plan.total, load.device)  # a rank must fit both: loading and a step
-    gib = memory.GIB
+    gib = GIB
     print(f"plan: {cfg.model}, quantization={cfg.quantization}, LoRA r={cfg.lora_r} on {','.join(cfg.lora_targets)}, "
           f"optimizer={cfg.optimizer}, micro-batch {cfg.micro_batch_size} x {cfg.seq_len} tokens, activation "
           f"checkpointing={cfg.activation_checkpointing}; " +
           (f"sharded by FSDP over {len(devices)} GPUs" if cfg.strategy == "fsdp" else
            f"one replica per GPU ({len(devices)} GPUs)"))
-    print(markdown.table(memory.breakdown_table({"per rank": plan}, unit=gib, unit_name="GiB").round(3).reset_index()))
+    print(markdown.table(breakdown_table({"per rank": plan}, unit=gib, unit_name="GiB").round(3).reset_index()))
     print(f"while the model loads ({load.path}): {load.device / gib:.2f} GiB per GPU, {load.host / gib:.2f} GiB of "
           f"host memory per rank; a step: {plan.total / gib:.2f} GiB per GPU")
     reserve = 1.5
@@ -98,14 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "fits" if peak / gib <= usable else "does NOT fit"
         print(f"  {d['name']}: {usable:.1f} GiB usable ({d['memory_gib']:g} - {reserve} reserve): "
               f"{peak / gib:.2f} GiB {verdict}" + (" (the load is the peak)" if load.device > plan.total else ""))
-    rec = memory.recommend(shape, devices, lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
-                           seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
-                           activation_checkpointing=cfg.activation_checkpointing,
-                           optimizer=PLANNER_OPTIMIZER[cfg.optimizer], reserve_gib=reserve, link_gbit=args.link_gbit,
-                           model_name=str(cfg.model))
+    rec = recommend(shape, devices, lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
+                    seq_len=cfg.seq_len, micro_batch=cfg.micro_batch_size,
+                    activation_checkpointing=cfg.activation_checkpointing,
+                    optimizer=PLANNER_OPTIMIZER[cfg.optimizer], reserve_gib=reserve, link_gbit=args.link_gbit,
+                    model_name=str(cfg.model))
     print(rec)
     return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,8 +1,8 @@
-"""Log markers -> metrics csv, plots and the benchmark report (the Kubernetes benchmark's
-parse_metrics.py, plot.py and make_report.py, as one command).
+"""Log markers -> metrics csv, plots and the benchmark report, in one command
+(the Kubernetes benchmark's parse_metrics.py, plot.py and make_report.py).
 
-    python -m distlab.report build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --out build/report
-    python -m distlab.report pod-logs/*.log --out build/report     # kubectl logs, torchrun consoles
+    python -m distlab report build/runs/matrix/ddp_ws1 build/runs/matrix/ddp_ws2 --out build/report
+    python -m distlab report pod-logs/*.log --out build/report     # kubectl logs, torchrun consoles
 
 Each SOURCE is a run folder (its console.log, or torchrun's per-rank logs under torchrun/) or a log file
 holding the DISTLAB_RESULT_START/END markers every rank prints (several runs in one log are fine). A
@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from distlab import markdown
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError
 from distlab.jsonio import strict_json
 from distlab.paths import BUILD_DIR
 from distlab.provenance import stamp
@@ -49,7 +49,7 @@ def collect_sources(sources: list[str]) -> list[dict[int, dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab report", description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="+", metavar="SOURCE", help="run folder or log file with result markers")
     parser.add_argument("--out", default=str(BUILD_DIR / "report"), help="folder for the csv, plots and report")
     parser.add_argument("--title", default="Strategy benchmark")
@@ -65,7 +65,3 @@ def main(argv: list[str] | None = None) -> int:
                              "scaling_efficiency", "peak_mem_bytes", "final_loss"]]))
     print(strict_json({"wrote": [str(p) for p in paths]}))
     return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,6 +1,6 @@
 """Step logs -> the scaling summary (the enterprise LoRA demo's parse_logs), across run folders.
 
-    python -m distlab.scaling build/runs/enterprise_7b/run_1gpu build/runs/enterprise_7b/run_4gpu
+    python -m distlab scaling build/runs/enterprise_7b/run_1gpu build/runs/enterprise_7b/run_4gpu
 
 Each RUN is a run folder (or its rank-0 `train_log.jsonl`) as distlab.train writes it under any launcher:
 the generated launch/run_*.sh scripts, distlab.launch.local.launch_training, Slurm. Writes <out>/scaling_summary.csv,
@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from distlab import markdown
-from distlab.cli import UsageError, run_main
+from distlab.cli import UsageError
 from distlab.jsonio import strict_json
 from distlab.metrics import read_log
 from distlab.paths import BUILD_DIR
@@ -47,7 +47,7 @@ def runs_table(runs: list[str]) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m distlab.scaling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m distlab scaling", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folder (or its train_log.jsonl)")
     parser.add_argument("--out", default=str(BUILD_DIR / "artifacts"), help="folder for the summary files")
     args = parser.parse_args(argv)
@@ -63,7 +63,3 @@ def main(argv: list[str] | None = None) -> int:
                  "scaling_efficiency", "peak_mem_bytes"]]))
     print(strict_json({"wrote": [str(p) for p in paths]}))
     return 0
-
-
-if __name__ == "__main__":
-    run_main(main)

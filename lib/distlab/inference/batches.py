@@ -33,7 +33,8 @@ class MicroBatch:
 
 
 def read_prompts(source: str | Path | Sequence) -> list[tuple[str, str]]:
-    """(id, user text) pairs from a prompt file or a list of strings / Conversations."""
+    """(id, last user turn) pairs, the shape micro_batches takes, from a prompt file (read by
+    distlab.data.load_prompts, the one reader: its ids, its checks) or a list of strings / Conversations."""
     items = load_prompts(source) if isinstance(source, (str, Path)) else list(source)
     out = []
     for i, p in enumerate(items):

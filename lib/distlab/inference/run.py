@@ -143,7 +143,9 @@ def main(argv=None) -> int:
     log = setup_logging(out_dir, rank, append=args.resume)
     prompts = repeat_prompts(read_prompts(args.prompts), args.num_prompts)
     ids = [pid for pid, _ in prompts]
-    if len(set(ids)) != len(ids):  # answers are kept, and skipped on --resume, by prompt id
+    # answers are kept, and skipped on --resume, by prompt id: the file's are unique (load_prompts), and cycling
+    # it (--num-prompts) adds ids `<id>#<k>`, which the file may hold already
+    if len(set(ids)) != len(ids):
         dup = next(pid for pid in ids if ids.count(pid) > 1)
         raise ValueError(f"{args.prompts}: prompt id {dup!r} appears more than once; ids must be unique")
     torch.set_num_threads(args.threads)

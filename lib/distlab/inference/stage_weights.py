@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 
 from distlab import sharded_load
+from distlab.model_build import build_lock
+from distlab.paths import MODEL_CACHE
 
 LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -97,7 +99,8 @@ def random_checkpoint(name: str, seed: int = 0, **shape) -> Path:
     tokenizer, saved once under build/models/pipeline-<name>: a checkpoint the stages can read part of,
     for tests and throughput runs that need no trained weights."""
     # deferred: the model builder pulls in transformers, which is slow to import
-    from distlab.models import MODEL_CACHE, TINY_QWEN2, build_lock, load_tokenizer, qwen2_config
+    from distlab.models import load_tokenizer
+    from distlab.tiny_base import TINY_QWEN2, qwen2_config  # deferred: as above
 
     shape = {**TINY_QWEN2, **shape}
     out = MODEL_CACHE / f"pipeline-{name}"

@@ -28,7 +28,8 @@ from distlab.generate import write_jsonl
 from distlab.inference.batches import micro_batches, read_prompts
 from distlab.inference.run import repeat_prompts
 from distlab.jsonio import strict_json
-from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
+from distlab.lm_loss import CausalLMWithLoss
+from distlab.models import load_model, load_tokenizer
 from distlab.paths import DEMO_PROMPTS
 
 

@@ -5,7 +5,8 @@
 
 Both go through distlab.train's pieces (StepBatches with rank_shares, Strategy.forward_backward with the
 global-token normalisation, DDP's all-reduce); rank 0 saves {name: gradient} of the trained weights.
-With dropout off and fp32, the uneven-batch DDP gradient must equal the single-process one (tests/test_lan.py).
+With dropout off and fp32, the uneven-batch DDP gradient must equal the single-process one
+(tests/clusters/test_lan_runs.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Importing this package loads nothing; import the module you need.
   sbatch      the spec written as a Slurm batch script (submit.sbatch + run.sh), container or not
   local       write a training launch to build/launch/ and run it on this machine (what notebooks call),
               refused first when it asks for more GPU ranks than there are visible GPUs
+  scripts     a chapter's script run under torchrun on local gloo ranks (through process), and the
+              JSON its rank 0 printed after `RESULT ` read back (run_script: what notebooks call)
   catalog     the repository's launch/ folder (the enterprise demo's DEMO_MATRIX, the Kubernetes
               benchmark's KUBE_MATRIX) and its command:
 

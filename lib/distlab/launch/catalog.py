@@ -195,8 +195,8 @@ def render_kube_readme(matrix: Sequence[KubeRun] = KUBE_MATRIX) -> str:
         "",
         "**Validated offline, not run on a cluster.** Every manifest passes strict schema validation for "
         "Kubernetes 1.30 and 1.34 (`kubernetes-validate`) and distlab's own checks; the entrypoint ran for real "
-        "as two local processes (a finished 2-node DDP run on CPU, `tests/test_kubernetes.py`). The image was "
-        "not built: no base image can be pulled on the machines that wrote these files.",
+        "as two local processes (a finished 2-node DDP run on CPU, `tests/clusters/test_kubernetes_runs.py`). The "
+        "image was not built: no base image can be pulled on the machines that wrote these files.",
         "",
         "| job | strategy | pods x GPUs | world | steps | global batch | purpose | hard limit |",
         "|---|---|---|---|---|---|---|---|",

@@ -12,13 +12,16 @@ first (torchrun killed by the OOM killer leaves its ranks behind otherwise).
 
 Two ways to kill a tree, for two callers: `kill_group` kills a job this process launched in a session
 of its own (its process group, plus the descendants that left it); `kill_descendants` kills every
-descendant of this process itself and reaps them, for a child subreaper that has inherited orphans
-(the notebook shim of distlab.publish.regenerate).
+descendant of this process itself and reaps them, for a child subreaper that has inherited orphans.
+`reap_and_run` is that subreaper: it runs a command as its child and, when the command ends, kills what
+the command left behind in sessions of its own (distlab.publish.regenerate runs papermill under it, so a
+job a notebook launched cannot outlive the notebook's kernel).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import re
 import signal
@@ -212,6 +215,50 @@ def _reap_zombies() -> None:
             return
         if pid == 0:
             return
+
+
+PR_SET_CHILD_SUBREAPER = 36  # prctl option (linux/prctl.h): orphans below this process are re-parented to it
+
+
+def _become_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def reap_and_run(cmd: Sequence[str]) -> int:
+    """Run `cmd` as a child of this process, marked as subreaper; when it ends (or this process is
+    terminated) kill and reap every descendant, orphans that left their session included. Returns the
+    command's exit code (128 + the signal's number when a signal ended it or this process)."""
+    _become_subreaper()
+
+    def on_signal(signum, _frame):
+        raise _Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    code = 1
+    try:
+        child = subprocess.Popen(list(cmd))
+        code = child.wait()
+    except _Terminated as exc:
+        code = 128 + int(exc.args[0])
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        left = kill_descendants()
+        if left:
+            print(f"[distlab.launch.process] killed {left} leftover process(es) that outlived "
+                  f"{Path(cmd[0]).name if cmd else 'the command'} (orphans re-parented to this reaper)", flush=True)
+    return code if code >= 0 else 128 - code
 
 
 def run(

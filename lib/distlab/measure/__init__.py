@@ -2,7 +2,7 @@
 
   envcheck        what is installed, what hardware is there, and whether every rank agrees   ch. 00
   limits          this machine's matmul FLOP/s, memory bandwidth, all-reduce bus bandwidth   ch. 00
-  monitor         a device-utilisation timeline (GPU util, or CPU % and RSS) around any run  ch. 00
+  utilisation     a device-utilisation timeline (GPU util, or CPU % and RSS) around any run  ch. 00, 02
   meter           the one meter the training loop reads, and the hooks strategies call        ch. 02
   comm            communication time: DDP's comm hook, every torch.distributed collective    ch. 02-03
   collectives     counting collectives and their bytes, DTensor's included (a dispatch mode) ch. 07

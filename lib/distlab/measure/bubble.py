@@ -1,8 +1,10 @@
 """Pipeline bubbles: the theory, and what a recorded timeline of per-stage timestamps says.
 
 Pure functions of a timeline (the events below, or a run's pipeline_timeline.jsonl): no runs, no models,
-no plots. The sweeps that record timelines, their tables and the Gantt charts are chapter 04's plumbing
-(distlab.chapters.ch04); the equal-stage model they measure is distlab.models.balanced_bench_model.
+no plots. The sweeps that record timelines and their tables are distlab.pipeline_sweeps, the Gantt charts
+chapter 04's plumbing (distlab.chapters.ch04); the equal-stage model they measure is
+distlab.models.balanced_bench_model. The theory is one function, `bubble_formula` (v = 1 for GPipe and 1F1B,
+v model chunks per rank for interleaved 1F1B).
 
 Both pipeline strategies (torch.distributed.pipelining and DeepSpeed's PipelineModule) record, for
 every optimizer step, one event per forward and per backward of each micro-batch on each stage,
@@ -68,9 +70,16 @@ from distlab.results import schema
 COMPUTE_KINDS = ("F", "B")
 
 
-def theoretical_bubble(stages: int, microbatches: int) -> float:
-    """Idle fraction of every stage in a balanced GPipe or 1F1B schedule: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_formula(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of every stage in a step on equal stages with free hand-offs: (p-1)/(v m + p-1); v = 1
+    for GPipe and 1F1B, v model chunks per rank for interleaved 1F1B (each chunk's work is 1/v of a stage's)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+
+def formula_text(virtual: int = 1) -> str:
+    """bubble_formula as a reader writes it."""
+    return "(p-1)/(m+p-1)" if virtual == 1 else f"(p-1)/({virtual:g}m+p-1)"
 
 
 def compute_events(events: Iterable[dict]) -> list[dict]:

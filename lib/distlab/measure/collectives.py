@@ -46,7 +46,7 @@ class CollectiveCounter(compat.torch_dispatch_mode()):
         return sum(b for _, b in self.calls)
 
 
-# Passes of a ring per collective (distlab.planning.advice counts the same way): an all-reduce is a
+# Passes of a ring per collective (distlab.planning.wire_bytes counts the same way): an all-reduce is a
 # reduce-scatter then an all-gather.
 RING_PASSES = {"all_reduce": 2, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
 

@@ -8,7 +8,7 @@ gradients and the optimizer state both exist. Every storage is counted once, in 
 that holds it, and a view into a flat buffer counts the whole buffer: that is what the rank holds.
 
 `measure_activation_memory` counts what autograd saves for the backward pass.
-(distlab.chapters.ch01.measure_training_memory builds a run and measures one real step with both.)
+(distlab.step_memory.measure_training_memory builds a run and measures one real step with both.)
 """
 
 from __future__ import annotations

@@ -1,122 +1,27 @@
-"""Which strategy to run on a set of GPUs, and what it costs on the wire (chapter 03).
+"""Which strategy to run on a set of GPUs (chapter 03): the LAN-cluster guide's decision tree.
 
-`communication_bytes` is what each rank sends per optimizer step (the planner's estimate); `step_bytes_sent`
-the same for one step of distlab's ddp, fsdp and tp (with and without sequence parallelism) as they really
-run, part by part, which chapter 07 sets against the collectives it counts. `recommend` walks the
-LAN-cluster guide's decision tree with the planner's numbers, in two parts: `decide` makes the
-choice and returns it as data (a `Decision`: every option weighed, and the branch that decided),
-and `explain` renders that decision as the prose the chapter prints.
+`recommend` walks the decision tree with the planner's numbers (memory per rank from distlab.planning.plan
+and .load, bytes on the wire from distlab.planning.wire_bytes), in two parts: `decide` makes the choice and
+returns it as data (a `Decision`: every option weighed, and the branch that decided), and `explain` renders
+that decision as the prose the chapter prints.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from distlab.config import PIPELINE_STRATEGIES
 from distlab.layer_split import tp_degree_problem
 from distlab.planning.load import LoadPeak, plan_load
-from distlab.planning.plan import TP_ROWWISE, TP_SPLIT, plan_memory, tp_sliced
-from distlab.planning.shapes import config_value, parameter_count, parameter_layout
+from distlab.planning.plan import plan_memory
+from distlab.planning.shapes import parameter_count
+from distlab.planning.wire_bytes import communication_bytes
 from distlab.results.schema import MemoryBreakdown
 
 GIB = 1024**3
 FAST_LINK_GBIT = 100.0  # NVLink, InfiniBand: fast enough for tensor parallelism's per-layer all-reduces
-
-
-def communication_bytes(config, strategy: str, world_size: int, *, lora_r: int | None = None, lora_targets=None,
-                        weight_bytes: float = 2, grad_bytes: float = 4, tokens: int = 2048,
-                        activation_bytes: float = 2, tp_size: int = 2) -> float:
-    """Bytes each rank sends per optimizer step (ring collectives: (k-1)/k of the buffer per pass).
-
-    ddp (and the pipelines' data-parallel replicas): one all-reduce of the trained gradients (2
-    passes). zero2: a reduce-scatter of the gradients and an all-gather of the updated trained
-    weights: the same volume. fsdp / zero3: every weight is all-gathered twice (forward and backward,
-    in the compute dtype), plus a reduce-scatter of the gradients; with LoRA that still means
-    all-gathering the frozen base model at every step. fsdp_tp: FSDP's volume over the world / tp_size
-    groups for each rank's 1/tp_size of the projections, plus tensor parallelism's 4 all-reduces of
-    activations per decoder layer (2 forward, 2 backward) of `tokens` x hidden values each."""
-    k = world_size
-    if k <= 1:
-        return 0.0
-    layout = parameter_layout(config, lora_r, lora_targets)
-    trained = sum(p.numel for p in layout if p.trainable)
-    every = sum(p.numel for p in layout)
-    ring = (k - 1) / k
-    if strategy == "ddp" or strategy in PIPELINE_STRATEGIES:
-        return 2 * ring * trained * grad_bytes
-    if strategy == "zero2":
-        return ring * trained * grad_bytes + ring * trained * weight_bytes
-    if strategy in ("fsdp", "zero3"):
-        return 2 * ring * every * weight_bytes + ring * trained * grad_bytes
-    if strategy == "fsdp_tp":
-        dp, tp = k // tp_size, tp_size
-        held = [p.numel / tp if tp_sliced(p.name) else p.numel for p in layout]
-        held_trained = sum(h for h, p in zip(held, layout) if p.trainable)
-        dp_ring = (dp - 1) / dp
-        fsdp = 2 * dp_ring * sum(held) * weight_bytes + dp_ring * held_trained * grad_bytes
-        layers, hidden = config_value(config, "num_hidden_layers"), config_value(config, "hidden_size")
-        activations = 4 * layers * tokens * hidden * activation_bytes
-        return fsdp + 2 * (tp - 1) / tp * activations
-    return 0.0
-
-
-SCALAR_BYTES = 8  # tp's gradient norm: one float64 all-reduced per step (strategies.tp.global_grad_norm)
-LOSS_STATISTIC_BYTES = 4  # vocab_parallel's per-token loss statistics: fp32 (the loss casts its logits to fp32)
-
-
-def step_bytes_sent(config, strategy: str, world_size: int, *, rows: int, seq_len: int, value_bytes: float = 4,
-                    sequence_parallel: bool = False, vocab_parallel: bool = False,
-                    label_tokens: int | None = None) -> dict[str, float]:
-    """Bytes one rank sends in one optimizer step of full fine-tuning, as distlab's strategies run it, by
-    part: `rows` x `seq_len` tokens per step in all (ddp and fsdp give each rank rows / world of them, tp
-    gives every rank all of them), one micro-batch, weights, gradients and activations of `value_bytes`
-    each (fp32 on CPU). On a ring a rank sends (k-1)/k of a buffer per pass: an all-gather or a
-    reduce-scatter is one pass, an all-reduce two (a reduce-scatter then an all-gather). tp with
-    `vocab_parallel` adds the vocabulary split's all-reduces, which depend on the step's `label_tokens`."""
-    k = world_size
-    ring = (k - 1) / k
-    layout = parameter_layout(config)
-    layers, hidden = config_value(config, "num_hidden_layers"), config_value(config, "hidden_size")
-    if strategy == "ddp":
-        # every gradient all-reduced once, in buckets; the activations never leave a rank
-        return {"gradients (all-reduce)": 2 * ring * sum(p.numel for p in layout) * value_bytes}
-    if strategy == "fsdp":
-        # FSDP2 pads each tensor's first dimension to a multiple of k before cutting it into k shards
-        padded = {p.name: math.ceil(p.shape[0] / k) * k * math.prod(p.shape[1:]) for p in layout}
-        in_layers = sum(n for name, n in padded.items() if name.startswith("model.layers."))
-        # a layer's weights are gathered for its forward and again for its backward; the root (embedding, final
-        # norm, untied head) once: FSDP2 keeps the root gathered from forward to backward
-        return {"weights (all-gather)": ring * (2 * in_layers + sum(padded.values()) - in_layers) * value_bytes,
-                "gradients (reduce-scatter)": ring * sum(padded.values()) * value_bytes}
-    if strategy != "tp":
-        raise ValueError(f"step_bytes_sent knows ddp, fsdp and tp, not {strategy!r}")
-    activation = rows * seq_len * hidden * value_bytes  # one b x s x h tensor: every rank holds every row
-    norm_grad = {"gradient norm (all-reduce)": 2 * ring * SCALAR_BYTES}
-    vocab = {}
-    if vocab_parallel:
-        if label_tokens is None:
-            raise ValueError("step_bytes_sent: vocab_parallel needs the step's label_tokens")
-        # the embedding's partial lookups summed (forward); the loss's 3 fp32 values per label token (largest
-        # logit, sum of exponentials, target logit); the head's input gradient at the label tokens (backward)
-        vocab = {"embedding output (all-reduce)": 2 * ring * activation,
-                 "loss statistics (all-reduce)": 2 * ring * 3 * label_tokens * LOSS_STATISTIC_BYTES,
-                 "LM head input gradient (all-reduce)": 2 * ring * label_tokens * hidden * value_bytes}
-    if not sequence_parallel:
-        # forward: each row-parallel projection's partial sums; backward: each column-parallel projection's
-        # input gradient, summed on its own (q, k, v and gate, up are separate modules: 5, not Megatron's fused 2)
-        forward, backward = len(TP_ROWWISE), len(TP_SPLIT) - len(TP_ROWWISE)
-        return {"activations (all-reduce)": 2 * ring * (forward + backward) * layers * activation, **vocab,
-                **norm_grad}
-    # per block: all-gather in, reduce-scatter out, and their mirrors in backward (the block's inputs summed once):
-    # 8 single passes per layer, the bytes of 4 all-reduces. Once per step: the final norm's output gathered for
-    # the head, and the first layer's input gradient gathered for the embedding. The norms' weights see only
-    # this rank's tokens, so their gradients (2 per layer and the final norm, `hidden` values) are all-reduced.
-    return {"activations (all-gather, reduce-scatter)": ring * (8 * layers + 2) * activation, **vocab,
-            "norm weight gradients (all-reduce)": 2 * ring * (2 * layers + 1) * hidden * value_bytes, **norm_grad}
 
 
 def _gib(nbytes: float) -> float:

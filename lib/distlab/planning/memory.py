@@ -1,13 +1,11 @@
-"""Where training memory goes, as the chapters use it: `from distlab.planning import memory`.
+"""The planner's breakdowns as tables, and measured state beside the plan: `from distlab.planning import memory`.
 
-Chapter 01 estimates one device (`estimate_training_memory`, the studied models' shapes) and puts the
-estimate next to a measured step (distlab.chapters.ch01.measure_training_memory) in `breakdown_table`.
-Chapter 03 plans every strategy per rank (`plan_memory`, `plan_table`; drawn by distlab.chapters.ch03), what a
-rank holds while the model loads (`plan_load`; a run fits where `peak_bytes`, the larger, does), the
-traffic per step (`communication_bytes`) and the LAN-cluster guide's choice (`recommend`).
-
-This module gathers those names from the planning modules (shapes, plan, advice), builds the
-breakdown tables, and sets measured state bytes beside the planner's (`state_vs_plan`).
+`breakdown_table` sets breakdowns (distlab.results.schema.MemoryBreakdown: a measured step, an estimate, a plan
+per strategy) side by side, one row per component; `plan_table` does it for every strategy of one config
+(distlab.planning.plan.plan_memory); `state_vs_plan` sets the state bytes each rank measured it owns beside
+the planner's for that rank. The planner itself is distlab.planning.plan, the models' shapes
+distlab.planning.shapes, what a rank holds while loading distlab.planning.load, the LAN-cluster guide's
+advice distlab.planning.advice: import each from there.
 """
 
 from __future__ import annotations
@@ -16,66 +14,11 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-from distlab.config import LORA_TARGETS, STRATEGY_NAMES, ZERO3_PERSISTENCE_THRESHOLD, zero_bucket_elements
-from distlab.planning.advice import (
-    Decision,
-    Option,
-    Recommendation,
-    communication_bytes,
-    decide,
-    explain,
-    recommend,
-)
-from distlab.planning.cards import LAN_CLUSTER
-from distlab.planning.load import LoadPeak, load_path, peak_bytes, plan_load
-from distlab.planning.plan import (
-    DTYPE_BYTES,
-    MOMENT_BYTES,
-    PLANNERS,
-    ZERO_ALIGNMENT,
-    estimate_training_memory,
-    moment_bytes,
-    plan_memory,
-)
-from distlab.planning.shapes import (
-    ATTENTION_PROJECTIONS,
-    CASE_STUDY_MODELS,
-    LLAMA2_7B,
-    LLAMA2_13B,
-    MLP_PROJECTIONS,
-    QWEN3_06B,
-    QWEN25_3B,
-    QWEN25_7B,
-    ParamSpec,
-    activation_bytes_estimate,
-    linear_shapes,
-    lora_parameter_count,
-    optimizer_groups,
-    parameter_count,
-    parameter_layout,
-)
+from distlab.config import LORA_TARGETS
+from distlab.planning.plan import plan_memory
 from distlab.results.schema import STATE_COMPONENTS, MemoryBreakdown
 
 GIB = 1024**3
-
-__all__ = [
-    # distlab.planning.shapes
-    "ATTENTION_PROJECTIONS", "LLAMA2_7B", "LLAMA2_13B", "MLP_PROJECTIONS", "QWEN25_3B", "QWEN25_7B", "QWEN3_06B",
-    "CASE_STUDY_MODELS",
-    "ParamSpec", "activation_bytes_estimate", "linear_shapes", "lora_parameter_count", "optimizer_groups",
-    "parameter_count", "parameter_layout",
-    # distlab.planning.plan
-    "DTYPE_BYTES", "MOMENT_BYTES", "PLANNERS", "ZERO3_PERSISTENCE_THRESHOLD", "ZERO_ALIGNMENT",
-    "estimate_training_memory", "moment_bytes", "plan_memory", "zero_bucket_elements",
-    # distlab.planning.load
-    "LoadPeak", "load_path", "peak_bytes", "plan_load",
-    # distlab.planning.advice
-    "LAN_CLUSTER", "Decision", "Option", "Recommendation", "communication_bytes", "decide", "explain", "recommend",
-    # distlab.measure.state, distlab.strategies
-    "MemoryBreakdown", "STATE_COMPONENTS", "STRATEGY_NAMES",
-    # here
-    "GIB", "breakdown_table", "plan_table", "state_vs_plan",
-]
 
 
 def breakdown_table(rows: dict[str, MemoryBreakdown], unit: float = 2**20, unit_name: str = "MiB"):

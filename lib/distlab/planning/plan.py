@@ -4,7 +4,7 @@
 Each strategy has one planner function, picked from `PLANNERS` by name; they share the resolved
 inputs (`PlanSetup`: the parameter layout and the bytes per value). The layouts are the ones the
 installed FSDP2 and DeepSpeed really use (per-parameter dim-0 shards; flat, padded partitions with
-fp32 master copies), checked against measured per-rank bytes in tests/test_fsdp_zero.py.
+fp32 master copies), checked against measured per-rank bytes in tests/launches/test_fsdp_zero.py.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ DTYPE_BYTES = {"fp32": (4, 4), "bf16-autocast": (4, 2), "fp16-autocast": (4, 2),
 TRAINER_DTYPES = ("fp32", "bf16-autocast", "bf16", "fp16-autocast")
 
 # A quantised base as bitsandbytes stores it (transformers' BitsAndBytesConfig, then PEFT's
-# prepare_model_for_kbit_training), measured against this formula in tests/test_qlora.py. Flat 0.5 or 1 byte per
+# prepare_model_for_kbit_training), measured against this formula in tests/unit/test_qlora.py. Flat 0.5 or 1 byte per
 # weight is what "4-bit" and "8-bit" suggest; what a rank holds differs in two ways that matter:
 #  - only the decoder's linear layers are quantised. The embedding (on a small model most of the weights: the
 #    tiny model's 3135 x 256 table is 40% of them), norms, biases and the LM head stay, and

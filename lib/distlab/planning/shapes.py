@@ -148,7 +148,7 @@ def activation_bytes_estimate(config, micro_batch: int, seq_len: int, bytes_per_
     uses a fused kernel (sdpa), so no seq x seq score matrix is kept. LoRA adds, per adapted
     projection, its dropped-out input and the dropout mask (1 byte) when dropout > 0, and the
     r-wide output of A. Plus the fp32 log-softmax of the logits, only at the positions the loss is
-    taken on (distlab.models.CausalLMWithLoss). With activation checkpointing only each layer's
+    taken on (distlab.lm_loss.CausalLMWithLoss). With activation checkpointing only each layer's
     input (h) is kept, plus one layer's worth during its recomputation. `tp`: tensor parallelism's degree;
     the per-head and FFN-width values are each rank's slice, the hidden-width ones stay whole. `vocab_tp`: the
     ranks the vocabulary is split over (tp's vocab_parallel): each keeps its slice of the logits."""

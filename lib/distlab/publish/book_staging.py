@@ -131,7 +131,7 @@ def run_times_markdown(chapters: Sequence[Chapter], page_text: str) -> tuple[str
     slots, notes = agenda_slots(page_text), []
     out = ["| chapter | Run All in this build | finished | agenda slot |", "|---|---|---|---|"]
     for c in chapters:
-        number = c.path.name[:2]
+        number = NOTEBOOK_RE.match(c.path.name).group(1)
         seconds, finished = run_seconds(c.path)
         slot = slots.get(number)
         shown = f"{seconds / 60:.1f} min" if seconds is not None else "not recorded"
@@ -325,8 +325,8 @@ def stage(source: str | Path, src_dir: str | Path, *, figures_dir: str | Path | 
         if page.name not in listed and page.name not in GENERATED:
             notes.append(f"{page.name} is in no table of contents: name it appendix_*.md or add it to FRONT_PAGES")
     workshop = src_dir / "workshop.md"
-    if workshop.is_file() and RUN_TIMES_MARKER in workshop.read_text(encoding="utf-8"):
-        text = workshop.read_text(encoding="utf-8")
+    text = workshop.read_text(encoding="utf-8") if workshop.is_file() else ""
+    if RUN_TIMES_MARKER in text:
         table, late = run_times_markdown(chapters, text)
         workshop.write_text(text.replace(RUN_TIMES_MARKER, table), encoding="utf-8")
         notes += late

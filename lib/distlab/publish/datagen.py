@@ -22,7 +22,7 @@ To add an intent, append `{name, phrasings, answer}` to the `intents` of its top
 topic is a new file plus a line in shared.yaml). All phrasings of an intent use the same slots;
 a new slot needs its values and held-out values in entities.yaml. Then run the generator: it
 validates the tables (an error names the file, the intent and the field) and rewrites data/.
-Commit both; tests/test_datagen.py fails when the committed data and the tables drift apart.
+Commit both; tests/unit/test_datagen.py fails when the committed data and the tables drift apart.
 A new intent changes every intent's row quota, so most rows change; that is expected.
 
 Only seeded `random.Random` instances are used, seeded from strings (which hash with SHA-512,

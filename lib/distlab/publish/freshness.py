@@ -6,7 +6,7 @@ notebook's *code* cells only: a prose edit changes no number), and regenerate ex
 kernel (DISTLAB_INPUTS), so `provenance.stamp` writes it into every sidecar beside the commit.
 
 Two users of the one digest:
-  - `stale_outputs` (and `python -m distlab.publish.freshness check`, and tests/test_freshness.py): a
+  - `stale_outputs` (and `python -m distlab.publish.freshness check`, and tests/unit/test_freshness.py): a
     committed output is stale when its recorded digest no longer matches the tree, and unclean when it
     was drawn from a tree with uncommitted inputs ("+dirty") or carries no digest at all. The tables of a
     benchmark command (`make benchmarks`, for the book's appendix) carry `benchmark_inputs` instead: the

@@ -16,23 +16,20 @@ at `build/regenerate/failed/` and the command ends non-zero naming the notebook 
 `build/regenerate/summary.json` records every notebook's status, time and failing cell, and
 `build/regenerate/logs/` the full papermill output (cell outputs included).
 
-Papermill runs under a small "subreaper" shim (`python -m distlab.publish.regenerate --reap -- CMD`): the
-Jupyter kernel starts in a session of its own, and a job that a notebook launches through
-`distlab.launch.process` gets yet another one, so when the kernel exits such a job would be re-parented to
-init and outlive the run. Marked as child subreaper, the shim inherits these orphans and kills them
-when papermill ends (or when the runner's timeout terminates it).
+Papermill runs under a small "subreaper" shim (`python -m distlab.publish.regenerate --reap -- CMD`, which
+is `distlab.launch.process.reap_and_run`): the Jupyter kernel starts in a session of its own, and a job that a
+notebook launches through `distlab.launch.process` gets yet another one, so when the kernel exits such a job
+would be re-parented to init and outlive the run. Marked as child subreaper, the shim inherits these orphans
+and kills them when papermill ends (or when the runner's timeout terminates it).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as _dt
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -150,52 +147,6 @@ def find_failing_cell(executed: str | Path) -> CellFailure | None:
 def _first_line(text: str, limit: int = 300) -> str:
     line = next((ln for ln in str(text).splitlines() if ln.strip()), "")
     return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-# ----------------------------------------------------------------------------- the subreaper shim
-
-
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def _become_subreaper() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-class _Terminated(BaseException):
-    pass
-
-
-def reap_and_run(cmd: Sequence[str]) -> int:
-    """Run `cmd` as a child of this process, marked as subreaper; when it ends (or this process is
-    terminated) kill and reap every descendant, orphans that left their session included."""
-    _become_subreaper()
-
-    def on_signal(signum, _frame):
-        raise _Terminated(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    code = 1
-    try:
-        child = subprocess.Popen(list(cmd))
-        code = child.wait()
-    except _Terminated as exc:
-        code = 128 + int(exc.args[0])
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
-        left = process.kill_descendants()
-        if left:
-            print(f"[distlab.publish.regenerate] killed {left} leftover process(es) "
-                  "(started by the notebook, outliving its kernel)", flush=True)
-    return code if code >= 0 else 128 - code
 
 
 # ----------------------------------------------------------------------------- running
@@ -517,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--reap"]:
         cmd = argv[2:] if argv[1:2] == ["--"] else argv[1:]
-        return reap_and_run(cmd)
+        return process.reap_and_run(cmd)
     args = _parser().parse_args(argv)
     # bad input (an unknown profile or notebook) and Ctrl-C (the running notebook is killed as a group on the
     # way out) end in run_main: one line, exit 2 or 130, like every other command

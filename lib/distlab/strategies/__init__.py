@@ -2,7 +2,8 @@
 
 Read `base` first (the hooks the loop calls), then one file per parallelism, in the book's order:
 
-  base         the interface, the process-group plumbing, the helpers strategies share     ch. 01-03
+  base         the interface, `parallelize` (the one order of a model's transformations),   ch. 01-03
+               the process-group plumbing, the helpers strategies share
   single       everything on one device                                                   ch. 01
   ddp          DistributedDataParallel: whole model per rank, gradients all-reduced       ch. 02
   fsdp         FSDP2 `fully_shard`: weights, gradients and optimizer state sharded         ch. 03
@@ -10,7 +11,7 @@ Read `base` first (the hooks the loop calls), then one file per parallelism, in 
   deepspeed_runtime  DeepSpeed's start-up (JIT comm op cache) and config, for zero and ds_pipeline
   split        cutting a decoder into stage modules, label-only loss                      ch. 04
   staged       what both pipelines share: a rank's stage, its replicas, its step         ch. 04
-  pipeline     torch.distributed.pipelining (GPipe, 1F1B)                                  ch. 04
+  pipeline     torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B)                ch. 04
   ds_pipeline  the same split with DeepSpeed's PipelineModule                              ch. 04
   tp           tensor parallelism (DTensor): each layer's projections split over the ranks  ch. 07
   fsdp_tp      2-D: tensor parallelism inside groups of ranks, FSDP across the groups       ch. 08

@@ -9,6 +9,11 @@ sync on the last one only) followed by `optimizer_step` (clip, step, schedule, z
 a strategy whose engine runs the step itself (DeepSpeed's pipeline engine: forward, backward and
 optimizer inside `train_batch`) overrides `train_step` and nothing else of it.
 
+Before the first step, `prepare` hands the model to `parallelize`: the one order in which every strategy's
+model is transformed (its pipeline stage kept, placed, split by tensor parallelism, compiled, sharded by FSDP,
+filled, given its optimizer, wrapped), each step with why it comes there. A strategy supplies only its own
+steps, by overriding the hook of that name (`keep_stage`, `split`, `shard`, `wrap`).
+
 Measurement never lives here: the loop hands every strategy a meter (distlab.measure.meter) and a
 strategy calls it at one place, where its communication starts (`self.meter.watch_...`) and,
 once, where gradients and optimizer state both exist (`self.meter.state_point`). With
@@ -33,16 +38,7 @@ from distlab.device import DeviceChoice, autocast, backend_for
 from distlab.measure.meter import NULL_METER, Meter
 from distlab.models import whole_shape
 from distlab.safe_load import load_tensors
-
-
-def cosine_with_warmup(optimizer, warmup_steps: int, total_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+from distlab.schedule import cosine_with_warmup
 
 
 def compile_layers(model: torch.nn.Module) -> int:
@@ -68,6 +64,7 @@ class Strategy:
     def __init__(self) -> None:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.meter: Meter = NULL_METER
+        self.transforms: list[str] = []  # the steps `parallelize` took, in order
 
     # --- process group
     def setup(self, cfg) -> None:
@@ -92,40 +89,48 @@ class Strategy:
 
     # --- loading (distlab.prepare.prepare_run asks)
     # Whether the strategy shards a weightless (meta) model itself and then reads only each rank's part of
-    # the weights (distlab.sharded_load.fill, from wrap_model): fsdp, tp and fsdp_tp. The others load whole.
+    # the weights (distlab.sharded_load.fill, in `parallelize`): fsdp, tp and fsdp_tp. The others load whole.
     loads_shards = False
 
     def load_context(self, cfg, choice: DeviceChoice):
         """The context a whole model is loaded in (ZeRO-3: partitioned over the ranks as it loads)."""
         return contextlib.nullcontext()
 
-    def shard_then_fill(self, model: torch.nn.Module, choice: DeviceChoice, shard, fill_device=None):
-        """`shard(model)` (fully_shard, the tensor-parallel plan) for a strategy that `loads_shards`: a model
-        prepare_run built weightless is cut on the meta device, then each rank allocates and reads only its
-        own part (sharded_load.fill, onto `fill_device`: the run's device unless its shards are offloaded); a
-        whole model (a random preset, a quantised base) moves to the device first, then is cut."""
-        weightless = sharded_load.is_pending(model)
-        if not weightless:
-            model = model.to(choice.device)
-        shard(model)
-        if weightless:
-            sharded_load.fill(model, fill_device or choice.device, log_as=self.name)
+    # --- model and optimizer: `parallelize` applies the steps in its order; a strategy overrides its own
+    placed_as_loaded = False  # whether loading put the weights where they train (ZeRO-3's partitions)
+    compiles_layers = True  # whether `compile=true` compiles this strategy's decoder layers
+
+    def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
+        """(model, optimizer, scheduler) ready to train: `parallelize`, with this strategy's steps."""
+        return parallelize(model, self, cfg, choice)
+
+    def keep_stage(self, model: torch.nn.Module, choice: DeviceChoice, cfg) -> torch.nn.Module:
+        """A pipeline rank's cut: only this rank's stage of the model, the other stages' parts dropped."""
         return model
 
-    # --- model and optimizer
-    def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
-        """(model, optimizer, scheduler) ready to train. Strategies whose engine owns the
-        optimizer (DeepSpeed) override this; the others override wrap_model only."""
-        if getattr(cfg, "compile", False):
-            compile_layers(model)
-        model = self.wrap_model(model, choice)
-        kind = getattr(cfg, "optimizer", "adamw")
-        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay, fused=getattr(cfg, "fused_optimizer", False),
-                                        **({"kind": kind} if kind != "adamw" else {}))
-        return model, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    def split(self, model: torch.nn.Module, cfg) -> None:
+        """Tensor parallelism's cut (in place): each decoder layer's projections split over a mesh."""
 
-    def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        return model.to(choice.device)
+    def shard(self, model: torch.nn.Module, choice: DeviceChoice, cfg) -> None:
+        """FSDP's cut (in place): every weight sharded over a mesh, layer by layer, then the root."""
+
+    def fill_device(self, choice: DeviceChoice, cfg) -> torch.device | str:
+        """Where a weightless model's parts are allocated and read (distlab.sharded_load.fill)."""
+        return choice.device
+
+    def trained_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module whose trainable parameters the optimizer steps (a pipeline rank: its stage)."""
+        return model
+
+    def optimizer_options(self, cfg) -> dict:
+        """What the config asks of make_optimizer besides the learning rate and the decay."""
+        kind = getattr(cfg, "optimizer", "adamw")
+        return {"fused": getattr(cfg, "fused_optimizer", False), **({"kind": kind} if kind != "adamw" else {})}
+
+    def wrap(self, model: torch.nn.Module, optimizer, scheduler, choice: DeviceChoice, cfg):
+        """What runs the training around the model: DDP's wrapper, DeepSpeed's engine, a pipeline's schedule.
+        Returns (model, optimizer, scheduler) as the loop holds them."""
+        return model, optimizer, scheduler
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
@@ -248,6 +253,82 @@ class Strategy:
         state = load_tensors(path / "training_state.pt")  # tensors and plain data only: a crafted file is refused
         load_trained_weights(self.unwrap(model), state["model"], path)
         optimizer.load_state_dict(state["optimizer"])
+
+
+def parallelize(model: torch.nn.Module, strategy: Strategy, cfg, choice: DeviceChoice):
+    """(model, optimizer, scheduler) ready to train: the order in which every strategy's model is transformed,
+    written once, each step with why it comes where it does (as torchtitan's `parallelize` states its own). A
+    strategy supplies only its own steps, by overriding the Strategy hook of the step's name; `strategy.transforms`
+    lists the steps this run took, in order.
+
+    Before this, distlab.prepare.prepare_run built the model every strategy starts from, in this order:
+      load         whole; weightless on meta (`loads_shards`: read in step 6); or partitioned as it loads (ZeRO-3's
+                   `load_context`), a quantised (QLoRA) base quantised inside from_pretrained
+      quantise     QLoRA's preparation of the 4-bit base (base frozen, norms and embeddings in fp32), before LoRA:
+                   it freezes every parameter there is, and the adapters must stay trainable
+      checkpoint   activation checkpointing (with QLoRA, set by its preparation): a flag on each decoder layer,
+                   whose call then checkpoints itself, so backward recomputes the layer as it runs under every cut
+                   and wrapper below (TP's slices, FSDP's gathers); before LoRA, which adapts to it (PEFT makes
+                   the embedding's output require grad for a checkpointed model)
+      lora         the adapters, before the model goes to meta (drawn from the seeded generator on the CPU: the
+                   same values under every strategy) and before every cut below (TP's plan splits lora_A and lora_B
+                   with their projection, FSDP shards them with their layer)
+      loss         the CausalLMWithLoss every step below transforms
+    """
+    transforms = []
+    weightless = sharded_load.is_pending(model)
+    # 1. keep_stage (pipelines): a rank keeps only its own layers first, so that no step below moves, cuts or
+    #    compiles a layer another rank holds
+    if _supplies(strategy, "keep_stage"):
+        model = strategy.keep_stage(model, choice, cfg)
+        transforms.append("keep_stage")
+    # 2. place: a whole model goes to its device before it is cut, so that TP's DTensors and FSDP's shards are made
+    #    where they run; a weightless one stays on meta until step 6, and ZeRO-3's partitions are placed already
+    #    (its engine moves the rest)
+    if not weightless and not strategy.placed_as_loaded:
+        model = model.to(choice.device)
+        transforms.append("place")
+    # 3. split (tensor parallelism): on the bare decoder layers and before FSDP, so that fully_shard then shards
+    #    each TP slice (a DTensor on the "tp" mesh dimension) along "dp", rather than TP cutting FSDP's shards
+    if _supplies(strategy, "split"):
+        strategy.split(model, cfg)
+        transforms.append("split")
+    # 4. compile, each decoder layer: after the layer's own transformations (checkpointing, TP) and before the one
+    #    that spans layers (FSDP), torchtitan's order, where torch.compile wraps a layer in a new module that
+    #    fully_shard must then shard. Here `Module.compile` keeps the layer object and traces at the first
+    #    forward, when every step has run: the graph is the layer as it trains.
+    if getattr(cfg, "compile", False) and strategy.compiles_layers:
+        compile_layers(model)
+        transforms.append("compile")
+    # 5. shard (FSDP): fully_shard each decoder layer, then the root; the last cut, so that it shards what the
+    #    others left (each TP slice, each layer with its adapters), and the root takes what no layer holds
+    if _supplies(strategy, "shard"):
+        strategy.shard(model, choice, cfg)
+        transforms.append("shard")
+    # 6. fill: only once every cut is made does a weightless model take memory: each rank allocates and reads from
+    #    the files just the part the cuts left it (distlab.sharded_load.fill)
+    if weightless:
+        sharded_load.fill(model, strategy.fill_device(choice, cfg), log_as=strategy.name)
+        transforms.append("fill")
+    # 7. optimizer and schedule: over the parameters as they train (TP's slices, FSDP's shards, a stage's own), so
+    #    after every cut and the fill; before the wrap, since DeepSpeed's engines take the optimizer (the pipeline
+    #    engine the schedule too)
+    optimizer = strategy.make_optimizer(strategy.trained_module(model), cfg.lr, cfg.weight_decay,
+                                        **strategy.optimizer_options(cfg))
+    scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    transforms.append("optimizer")
+    # 8. wrap: DDP's gradient all-reduce, DeepSpeed's engine, a pipeline's schedule; last, around the model as it
+    #    trains (DDP hooks the gradients of the parameters it finds; the engine owns the model and its step)
+    if _supplies(strategy, "wrap"):
+        model, optimizer, scheduler = strategy.wrap(model, optimizer, scheduler, choice, cfg)
+        transforms.append("wrap")
+    strategy.transforms = transforms
+    return model, optimizer, scheduler
+
+
+def _supplies(strategy: Strategy, step: str) -> bool:
+    """Whether the strategy overrides the Strategy hook `step` (its own step of `parallelize`)."""
+    return getattr(type(strategy), step) is not getattr(Strategy, step)
 
 
 class NeedsLauncherError(ValueError):

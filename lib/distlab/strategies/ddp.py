@@ -36,12 +36,11 @@ class DDPStrategy(DistributedStrategy):
         super().setup(cfg)
         self.comm_hook = compression_hook(cfg.ddp_comm_hook, cfg.powersgd_rank, self.backend)
 
-    def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        model = model.to(choice.device)
+    def wrap(self, model: torch.nn.Module, optimizer, scheduler, choice: DeviceChoice, cfg):
         ddp = DDP(model, device_ids=[choice.device.index] if choice.device.type == "cuda" else None)
         # the compression hook, inside the meter's timing hook when measuring (DDP takes only one)
         self.meter.watch_ddp(ddp, self.world_size, self.comm_hook)
-        return ddp
+        return ddp, optimizer, scheduler
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module

@@ -49,8 +49,7 @@ from torch import nn
 from distlab import compat
 from distlab.device import DeviceChoice
 from distlab.layer_split import describe_split
-from distlab.models import label_loss_sum
-from distlab.strategies.base import cosine_with_warmup
+from distlab.lm_loss import label_loss_sum
 from distlab.strategies.deepspeed_runtime import init_deepspeed, pipeline_config, use_extensions_cache
 from distlab.strategies.split import StageMasks, decoder_parts, is_tied, layer_types, run_layer, stack_microbatches
 from distlab.strategies.staged import StagedStrategy
@@ -135,6 +134,7 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
     def __init__(self) -> None:
         super().__init__()
         self.engine = None
+        self.pipe = None  # DeepSpeed's PipelineModule over this rank's stage
         self.grad_norm = float("nan")  # of the step train_batch() just ran
         self.own_clipping = True
 
@@ -143,40 +143,46 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
         super().setup(cfg)
         init_deepspeed(self, cache)
 
-    def prepare(self, model, choice: DeviceChoice, cfg):
-        import deepspeed  # deferred: DeepSpeed is optional, and its import is slow
-        from deepspeed.pipe import PipelineModule
+    def keep_stage(self, model, choice: DeviceChoice, cfg):
+        """This rank's stage, and DeepSpeed's PipelineModule over the same modules (what the engine runs)."""
+        from deepspeed.pipe import PipelineModule  # deferred: DeepSpeed is optional, and its import is slow
 
         causal = model.causal_lm
         train_tied = is_tied(causal) and not cfg.lora
-        specs = layer_specs(causal, train_tied)
+        specs = layer_specs(causal, train_tied)  # before the other stages' parts are dropped
         wrapped = self.place_stage(model, choice, cfg)  # the same modules as the specs, for evaluation
         parts = spec_boundaries(wrapped.ranges, len(specs))
         with torch.no_grad():  # DeepSpeed broadcasts tied weights in place while building: keep autograd out
-            pipe = compat.pipeline_module_with_parts(PipelineModule)(
+            self.pipe = compat.pipeline_module_with_parts(PipelineModule)(
                 parts, layers=specs, num_stages=self.num_stages, loss_fn=self._ds_loss,
                 partition_method="uniform", activation_checkpoint_interval=0)
         for i, spec in enumerate(specs):  # the specs of other stages must not keep their layers alive
             if not parts[self.stage_index] <= i < parts[self.stage_index + 1]:
                 spec.module_args, spec.module_kwargs = (), {}
-        self.schedule_used = "deepspeed-1f1b"
         if train_tied:
-            self.tied_param = pipe.tied_modules["embed"].embed.weight
+            self.tied_param = self.pipe.tied_modules["embed"].embed.weight
+        return wrapped
+
+    def trained_module(self, model):
+        return self.pipe  # the optimizer steps the parameters as the engine holds them
+
+    def wrap(self, model, optimizer, scheduler, choice: DeviceChoice, cfg):
+        import deepspeed  # deferred: DeepSpeed is optional, and its import is slow
+
+        self.schedule_used = "deepspeed-1f1b"
         bf16 = choice.autocast_dtype == torch.bfloat16 or choice.dtype == torch.bfloat16
         self.own_clipping = not bf16  # bf16: DeepSpeed's BF16 optimizer keeps fp32 masters and clips
-        optimizer = self.make_optimizer(pipe, cfg.lr, cfg.weight_decay)
-        scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
-        engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, lr_scheduler=scheduler,
+        engine, _, _, _ = deepspeed.initialize(model=self.pipe, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=pipeline_config(cfg, bf16))
-        self.engine = wrapped.engine = engine
+        self.engine = model.engine = engine
         instructions = compat.instruction_map(engine)
         instructions[_optimizer_step_instruction()] = self._clipped(instructions[_optimizer_step_instruction()])
         self.meter.watch_deepspeed_pipeline(self, engine, instructions)  # the timeline, sends and receives
         compat.set_instruction_map(engine, instructions)
         if self.is_main:
             print(f"[distlab] DeepSpeed PipelineModule, {self.microbatches} micro-batch(es) of "
-                  f"{cfg.micro_batch_size} row(s); " + "; ".join(describe_split(wrapped.ranges)), flush=True)
-        return wrapped, optimizer, scheduler
+                  f"{cfg.micro_batch_size} row(s); " + "; ".join(describe_split(model.ranges)), flush=True)
+        return model, optimizer, scheduler
 
     def _ds_loss(self, outputs, labels):
         # DeepSpeed divides by gradient_accumulation_steps before backward and when it averages the

@@ -16,9 +16,13 @@ nothing new: on DTensors `clip_grad_norm_` computes shard norms and all-reduces 
 (`torch.distributed.checkpoint`: every rank writes its own shard); `save_model` gathers a full
 state dict on rank 0 and writes a normal adapter or model folder that `from_pretrained` loads.
 
-Loading shards too: prepare_run hands wrap_model a weightless model (on the meta device), `fully_shard` cuts
-it there, and each rank then allocates and reads from the files only its own shards (distlab.sharded_load);
-no rank ever holds the whole model. Random presets and quantised bases still load whole, then shard.
+Loading shards too: prepare_run builds a weightless model (on the meta device), `fully_shard` cuts it there,
+and each rank then allocates and reads from the files only its own shards (distlab.sharded_load; the order is
+distlab.strategies.base.parallelize's); no rank ever holds the whole model. Random presets and quantised bases
+still load whole, then shard.
+
+The cut itself is `apply_fsdp` (fsdp_tp applies it along the "dp" dimension of its 2-D mesh), and the sharded
+checkpoint `save_sharded_state` / `load_sharded_state` (fsdp_tp's too).
 """
 
 from __future__ import annotations
@@ -57,10 +61,37 @@ def offload_policy(cpu_offload: bool, device: torch.device | str) -> OffloadPoli
     return CPUOffloadPolicy(pin_memory=True)
 
 
+def mixed_precision(choice: DeviceChoice) -> MixedPrecisionPolicy:
+    if choice.autocast_dtype is None:
+        return MixedPrecisionPolicy()  # fp32 (CPU): gather and reduce in the weights' dtype
+    return MixedPrecisionPolicy(param_dtype=choice.autocast_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh, choice: DeviceChoice, reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> None:
+    """`fully_shard` each decoder layer, then the root, over `mesh` (in place): a layer's weights are gathered
+    whole only for its forward and its backward, and its gradients reduce-scattered. fsdp's cut over all ranks,
+    fsdp_tp's over the "dp" dimension of its mesh (each tensor-parallel slice sharded again)."""
+    mp = mixed_precision(choice)
+    offload = offload_policy(cpu_offload, choice.device)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    # The root takes everything not in a layer: embedding, final norm and LM head (the same
+    # tensor when tied, so it is sharded once). The root keeps its weights gathered between
+    # forward and backward (FSDP2's default for the root): backward needs them first.
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """The context of one micro-step: FSDP2's `no_sync` (gradients kept unsharded and local) unless `sync`."""
+    return contextlib.nullcontext() if sync else _no_gradient_sync(model)
+
+
 class FSDPStrategy(DistributedStrategy):
     name = "fsdp"
     shards_checkpoint = True
-    loads_shards = True  # prepare_run hands wrap_model a weightless model (distlab.sharded_load)
+    loads_shards = True  # prepare_run builds it weightless; `parallelize` shards it, then fills each rank's part
 
     def __init__(self) -> None:
         super().__init__()
@@ -74,54 +105,24 @@ class FSDPStrategy(DistributedStrategy):
         self.mesh = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
         self.meter.watch_collectives()  # times every all-gather and reduce-scatter FSDP2 issues
 
-    def mixed_precision(self, choice: DeviceChoice) -> MixedPrecisionPolicy:
-        if choice.autocast_dtype is None:
-            return MixedPrecisionPolicy()  # fp32 (CPU): gather and reduce in the weights' dtype
-        return MixedPrecisionPolicy(param_dtype=choice.autocast_dtype, reduce_dtype=torch.float32)
+    def shard(self, model: torch.nn.Module, choice: DeviceChoice, cfg) -> None:
+        apply_fsdp(model, self.mesh, choice, cfg.fsdp_reshard_after_forward, cfg.fsdp_cpu_offload)
 
-    def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        cpu_offload = self.cfg is not None and self.cfg.fsdp_cpu_offload
-        offload = offload_policy(cpu_offload, choice.device)
-        mp = self.mixed_precision(choice)
-        reshard = self.cfg.fsdp_reshard_after_forward if self.cfg is not None else True
-
-        def shard(model):
-            for layer in decoder_layers(model):
-                fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=mp,
-                            offload_policy=offload)
-            # The root takes everything not in a layer: embedding, final norm and LM head (the same
-            # tensor when tied, so it is sharded once). The root keeps its weights gathered between
-            # forward and backward (FSDP2's default for the root): backward needs them first.
-            fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
-
-        # offloaded shards live on the host
-        return self.shard_then_fill(model, choice, shard, "cpu" if cpu_offload else None)
+    def fill_device(self, choice: DeviceChoice, cfg):
+        return "cpu" if cfg.fsdp_cpu_offload else choice.device  # offloaded shards live on the host
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # fully_shard changes the module's class in place; there is no wrapper
 
     def sync_context(self, model, sync: bool):
-        return contextlib.nullcontext() if sync else _no_gradient_sync(model)
+        return gradient_sync(model, sync)
 
     # --- saving
-    def _state_options(self, **kw) -> StateDictOptions:
-        # LoRA: the frozen base weights never change, the checkpoint holds only what is trained.
-        return StateDictOptions(ignore_frozen_params=bool(self.cfg and self.cfg.lora), **kw)
-
     def save_training_state(self, model, optimizer, path: Path) -> None:
-        """Sharded: every rank writes its own shards of the trained weights and optimizer state."""
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._state_options())
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path / "dcp"))
+        save_sharded_state(model, optimizer, path, lora=bool(self.cfg and self.cfg.lora))
 
     def load_training_state(self, model, optimizer, path: Path) -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=self._state_options())
-        state = {"model": model_sd, "optimizer": optim_sd}
-        check_dcp(path / "dcp")  # DCP unpickles its metadata and non-tensor entries as they come: plain data only
-        dcp.load(state, checkpoint_id=str(path / "dcp"))  # fills the shards in place, with resharding
-        # LoRA: the state holds only the trained tensors (dcp.load checked each one was in the
-        # checkpoint); non-strict so the frozen base weights, left out on purpose, are not "missing".
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=self._state_options(strict=not (self.cfg and self.cfg.lora)))
+        load_sharded_state(model, optimizer, path, lora=bool(self.cfg and self.cfg.lora))
 
     def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
         """A consolidated adapter (LoRA) or model folder, written by rank 0 from a gathered state dict."""
@@ -132,6 +133,28 @@ class FSDPStrategy(DistributedStrategy):
         if self.is_main:
             save_consolidated(model, full, path, tokenizer)
         self.barrier()
+
+
+def _state_options(lora: bool, **kw) -> StateDictOptions:
+    # LoRA: the frozen base weights never change, the checkpoint holds only what is trained.
+    return StateDictOptions(ignore_frozen_params=lora, **kw)
+
+
+def save_sharded_state(model, optimizer, path: Path, lora: bool) -> None:
+    """Sharded: every rank writes its own shards of the trained weights and optimizer state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(lora))
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path / "dcp"))
+
+
+def load_sharded_state(model, optimizer, path: Path, lora: bool) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(lora))
+    state = {"model": model_sd, "optimizer": optim_sd}
+    check_dcp(path / "dcp")  # DCP unpickles its metadata and non-tensor entries as they come: plain data only
+    dcp.load(state, checkpoint_id=str(path / "dcp"))  # fills the shards in place, with resharding
+    # LoRA: the state holds only the trained tensors (dcp.load checked each one was in the
+    # checkpoint); non-strict so the frozen base weights, left out on purpose, are not "missing".
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_state_options(lora, strict=not lora))
 
 
 @contextlib.contextmanager

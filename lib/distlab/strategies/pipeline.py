@@ -35,7 +35,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from distlab.device import DeviceChoice, autocast
 from distlab.layer_split import describe_split
-from distlab.strategies.base import cosine_with_warmup
 from distlab.strategies.split import is_tied, stack_microbatches
 from distlab.strategies.staged import StagedStrategy
 
@@ -56,8 +55,8 @@ class PipelineStrategy(StagedStrategy):
         super().setup(cfg)
         self.virtual = VIRTUAL if cfg.pipeline_schedule == "interleaved" else 1
 
-    def prepare(self, model, choice: DeviceChoice, cfg):
-        tied = is_tied(model.causal_lm)
+    def keep_stage(self, model, choice: DeviceChoice, cfg):
+        tied = is_tied(model.causal_lm)  # read before the other stages' parts are dropped
         wrapped = self.place_stage(model, choice, cfg)
         if tied and not cfg.lora:  # the tied embedding/head weight, trained on both end stages
             ends = sorted({0, self.num_stages - 1})
@@ -66,12 +65,14 @@ class PipelineStrategy(StagedStrategy):
                 self.tied_param = self.chunks[0].embed.weight
             elif self.is_last:
                 self.tied_param = self.chunks[-1].head.weight
+        return wrapped
+
+    def wrap(self, model, optimizer, scheduler, choice: DeviceChoice, cfg):
         self.build_schedule(cfg.pipeline_schedule, cfg.micro_steps(1))
-        optimizer = self.make_optimizer(self.stage_module, cfg.lr, cfg.weight_decay)
         if self.is_main:
             print(f"[distlab] pipeline {self.schedule_used} with {self.microbatches} micro-batch(es) of "
-                  f"{cfg.micro_batch_size} row(s); " + "; ".join(describe_split(wrapped.ranges)), flush=True)
-        return wrapped, optimizer, cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+                  f"{cfg.micro_batch_size} row(s); " + "; ".join(describe_split(model.ranges)), flush=True)
+        return model, optimizer, scheduler
 
     def build_schedule(self, schedule: str, microbatches: int) -> None:
         """This rank's PipelineStage(s), one per model chunk, and schedule for m micro-batches per step."""

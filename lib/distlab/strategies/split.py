@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distlab.data import IGNORE_INDEX
-from distlab.models import label_loss_sum
+from distlab.lm_loss import label_loss_sum
 
 
 def decoder_parts(causal) -> tuple[Any, Any]:

@@ -92,8 +92,19 @@ class StagedStrategy(DistributedStrategy):
     def unwrap(self, model):
         return model
 
+    # `compile` is left out: a stage's layers run under the pipeline schedules, where compiling them has not
+    # been tried here
+    compiles_layers = False
+
+    def optimizer_options(self, cfg) -> dict:
+        return {}  # the plain AdamW per stage: fused_optimizer has not been tried under the pipeline schedules
+
+    def trained_module(self, model):
+        return self.stage_module  # this rank's chunks: what it holds of the model
+
     def place_stage(self, model, choice: DeviceChoice, cfg) -> PipelinedModel:
-        """Keep only this rank's stage of the model (the other stages' parts become placeholders)."""
+        """Keep only this rank's stage of the model (the other stages' parts become placeholders); the
+        strategy's `keep_stage`, before `parallelize` places what is left on the device."""
         causal = model.causal_lm
         total = self.num_stages * self.virtual
         ranges = split_layers(causal.config.num_hidden_layers, total, cfg.stage_layers)
@@ -103,7 +114,7 @@ class StagedStrategy(DistributedStrategy):
         drop_other_stages(causal, mine, self.is_first, self.is_last, self.stage_index)
         stage = self.chunks[0] if self.virtual == 1 else RankChunks(self.chunks)
         self.stage_module, self.choice, self.microbatches = stage, choice, cfg.micro_steps(1)
-        return PipelinedModel(model, stage, self.stage_index, ranges).to(choice.device)
+        return PipelinedModel(model, stage, self.stage_index, ranges)
 
     def stage_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, dict[str, torch.Tensor]]:
         """What this stage's forward takes besides the hidden states: ids (first), labels (last)."""

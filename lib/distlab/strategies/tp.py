@@ -6,7 +6,10 @@ What changes against one device: a 1-D device mesh of all ranks and, per decoder
 rank keeps a block of output features: whole attention heads, a block of the FFN width), o and down are
 `RowwiseParallel` (the matching block of input features): no communication between the two matmuls of a
 block, one all-reduce of the block's output in forward, and the mirror all-reduce of the block's input
-gradient in backward. The embedding, the norms and the LM head stay whole on every rank (unless
+gradient in backward. For that mirror each block's input is made one DTensor first (`block_input_plan`), so
+the partial input gradients of q, k and v (gate and up) are summed before one all-reduce, as Megatron's fused
+projections do; a plan of the seven projections alone would all-reduce each column-parallel one's on its own.
+The embedding, the norms and the LM head stay whole on every rank (unless
 `vocab_parallel`, below); they receive the same (already summed) gradients everywhere, so their updates stay
 identical without communication.
 
@@ -64,7 +67,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from distlab.device import DeviceChoice
 from distlab.layer_split import tp_degree_problem
 from distlab.strategies.base import DistributedStrategy, save_consolidated
 from distlab.strategies.split import decoder_layers
@@ -100,14 +102,14 @@ class ReplicateParallel(ParallelStyle):
 
 
 def layer_plan(layer: torch.nn.Module, sequence_parallel: bool = False) -> dict:
-    """LAYER_PLAN for one decoder layer. A projection LoRA wraps (PEFT's lora.Linear) is split through its
-    frozen `base_layer`, and its adapter so that it adds to the same slice: a column-parallel projection's
-    lora_B is column-parallel (its lora_A, whole, sees the whole input), a row-parallel one's lora_A is
-    row-parallel (it reads this rank's input features; its r outputs are summed, and lora_B, whole, maps
-    them to the whole output). With sequence parallelism a row-parallel projection reduce-scatters its output
-    to token slices instead, and so does its lora_A (r values a token); the whole factors that then meet
-    DTensors (a column-parallel lora_A reads the gathered input, a row-parallel lora_B this rank's tokens)
-    become replicated DTensors."""
+    """LAYER_PLAN for one decoder layer, and each block's input made one DTensor (`block_input_plan`). A
+    projection LoRA wraps (PEFT's lora.Linear) is split through its frozen `base_layer`, and its adapter so that
+    it adds to the same slice: a column-parallel projection's lora_B is column-parallel (its lora_A, whole,
+    reads the whole block input, a DTensor, so it is a replicated DTensor too: `ReplicateParallel`), a
+    row-parallel one's lora_A is row-parallel (it reads this rank's input features; its r outputs are summed,
+    and lora_B, whole, maps them to the whole output). With sequence parallelism a row-parallel projection
+    reduce-scatters its output to token slices instead, and so does its lora_A (r values a token); its lora_B
+    then meets this rank's tokens as a DTensor and is replicated too."""
     modules = dict(layer.named_modules())
     tokens = Shard(1)
     plan = {}
@@ -121,29 +123,29 @@ def layer_plan(layer: torch.nn.Module, sequence_parallel: bool = False) -> dict:
         for adapter in modules[f"{name}.lora_A"]:  # a ModuleDict: one Linear per adapter name
             lora_a, lora_b = f"{name}.lora_A.{adapter}", f"{name}.lora_B.{adapter}"
             if not rowwise:
-                plan[lora_b] = ColwiseParallel()
-                if sequence_parallel:
-                    plan[lora_a] = ReplicateParallel()
+                plan[lora_a], plan[lora_b] = ReplicateParallel(), ColwiseParallel()
             elif sequence_parallel:
                 plan[lora_a] = RowwiseParallel(output_layouts=tokens, use_local_output=False)
                 plan[lora_b] = ReplicateParallel(local_output=True)
             else:
                 plan[lora_a] = RowwiseParallel()
+    plan.update(block_input_plan(sequence_parallel))
     if sequence_parallel:
-        plan.update(sequence_parallel_plan())
+        plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
     return plan
 
 
-def sequence_parallel_plan() -> dict:
-    """What sequence parallelism adds to a decoder layer's plan: the norms work on this rank's tokens, and each
-    block gathers the whole sequence once at its input (a DTensor, so q/k/v share one gather and, backward, one
-    reduce-scatter of their summed input gradients). (Its row-parallel projections reduce-scatter their output
-    back to token slices: `layer_plan`.)"""
-    tokens, whole = Shard(1), Replicate()
-    return {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
+def block_input_plan(sequence_parallel: bool = False) -> dict:
+    """Each block's input becomes one DTensor before its column-parallel projections read it, so backward sums
+    their partial input gradients (q, k, v: 3; gate, up: 2) into one DTensor and reduces it once per block:
+    Megatron's f operator, 2 all-reduces a layer in backward. Without it each ColwiseParallel makes its own
+    DTensor of the same plain input and all-reduces its own gradient: 5 a layer (chapter 07, section 4).
+    Under sequence parallelism the input arrives as this rank's tokens and is all-gathered here, once per block
+    (and, backward, its summed gradient reduce-scattered once)."""
+    arriving, whole = (Shard(1) if sequence_parallel else Replicate()), Replicate()
+    return {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": arriving},
                                             desired_input_kwarg_layouts={"hidden_states": whole}),
-            "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(whole,))}
+            "mlp": PrepareModuleInput(input_layouts=(arriving,), desired_input_layouts=(whole,))}
 
 
 def vocab_plan(model: torch.nn.Module, mesh) -> None:
@@ -185,9 +187,46 @@ def apply_tp_plan(model: torch.nn.Module, mesh, sequence_parallel: bool = False,
         p.requires_grad_(trainable[name])
 
 
+def refuse_periodic_checkpoints(name: str, cfg) -> None:
+    """tp and fsdp_tp: a sliced optimizer state needs torch.distributed.checkpoint, not written here yet."""
+    if cfg.checkpoint_steps:
+        raise ValueError(f"strategy {name!r} writes no periodic checkpoints yet: set checkpoint_steps=0")
+
+
+def per_tensor_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, no decay on vectors, one tensor at a time: torch's multi-tensor AdamW cannot mix DTensor slices
+    and plain tensors (tp), or DTensors on two meshes (fsdp_tp), in one group."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, foreach=False)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float, meter) -> float:
+    """The optimizer step over sliced weights: partial gradients summed, clipped to the global norm computed
+    from each rank's own elements, step, schedule, zero the grads; returns the norm before clipping."""
+    sum_partial_gradients(model)
+    norm = global_grad_norm(model)
+    if norm > max_grad_norm:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(max_grad_norm / (norm + 1e-6))  # as clip_grad_norm_ scales
+    optimizer.step()
+    meter.state_point(model, optimizer)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict on the CPU, every DTensor gathered (collective: every rank calls it)."""
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
+
+
 class TPStrategy(DistributedStrategy):
     name = "tp"
-    loads_shards = True  # prepare_run hands wrap_model a weightless model (distlab.sharded_load)
+    loads_shards = True  # prepare_run builds it weightless; `parallelize` splits it, then fills each rank's slices
 
     def __init__(self) -> None:
         super().__init__()
@@ -203,13 +242,8 @@ class TPStrategy(DistributedStrategy):
     def data_parallel_rank(self) -> int:
         return 0
 
-    @staticmethod
-    def refuse_what_tp_cannot_do(name: str, cfg) -> None:
-        if cfg.checkpoint_steps:
-            raise ValueError(f"strategy {name!r} writes no periodic checkpoints yet: set checkpoint_steps=0")
-
     def setup(self, cfg) -> None:
-        self.refuse_what_tp_cannot_do(self.name, cfg)
+        refuse_periodic_checkpoints(self.name, cfg)
         super().setup(cfg)
         self.sequence_parallel = cfg.sequence_parallel
         self.vocab_parallel = cfg.vocab_parallel
@@ -219,10 +253,8 @@ class TPStrategy(DistributedStrategy):
         self.mesh = init_device_mesh("cuda" if self.backend == "nccl" else "cpu", (self.world_size,),
                                      mesh_dim_names=("tp",))
 
-    def wrap_model(self, model: torch.nn.Module, choice: DeviceChoice) -> torch.nn.Module:
-        # each rank reads its slices of the projections, and the whole of what stays whole
-        return self.shard_then_fill(model, choice, lambda m: apply_tp_plan(m, self.mesh, self.sequence_parallel,
-                                                                          self.vocab_parallel))
+    def split(self, model: torch.nn.Module, cfg) -> None:
+        apply_tp_plan(model, self.mesh, self.sequence_parallel, self.vocab_parallel)
 
     def loss_context(self):
         """Where the loss is computed from logit slices (`vocab_parallel`), its forward and its backward both run
@@ -240,28 +272,13 @@ class TPStrategy(DistributedStrategy):
         return tensor  # one data-parallel replica: every rank already holds the whole step's counts and loss
 
     def make_optimizer(self, model, lr: float, weight_decay: float, fused: bool = False):
-        # torch's multi-tensor AdamW cannot mix DTensor slices and plain tensors in one group: one per tensor
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, foreach=False)
+        return per_tensor_adamw(model, lr, weight_decay)
 
     def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
-        sum_partial_gradients(model)
-        norm = global_grad_norm(model)
-        if norm > max_grad_norm:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(max_grad_norm / (norm + 1e-6))  # as clip_grad_norm_ scales
-        optimizer.step()
-        self.meter.state_point(model, optimizer)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
+        return clip_and_step(model, optimizer, scheduler, max_grad_norm, self.meter)
 
     def save_model(self, model: torch.nn.Module, path: Path, tokenizer=None) -> None:
-        full = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-                for name, t in model.state_dict().items()}  # collective: every rank gathers
+        full = full_state(model)  # collective: every rank gathers
         if self.is_main:
             save_consolidated(model, full, path, tokenizer)
         self.barrier()

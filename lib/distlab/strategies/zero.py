@@ -21,9 +21,10 @@ optimizer step, so ZeRO overrides the interface's whole `train_step`: step() aft
 micro-batch (a no-op apart from the counter), then the boundary call, which clips (the config's
 gradient_clipping), updates and zeroes the gradients. backward() runs with
 scale_wrt_gas=False: DeepSpeed would otherwise divide by the accumulation steps, and distlab's
-loss is already normalised by the global batch's label tokens. distlab's cosine schedule is built
-on the torch AdamW *after* initialize, whose param groups DeepSpeed re-pointed at its fp32
-partitions, and steps once per optimizer step.
+loss is already normalised by the global batch's label tokens. The engine is ZeRO's step of
+distlab.strategies.base.parallelize (`wrap`): it takes the torch AdamW and distlab's cosine schedule
+built on it, and steps that schedule once per optimizer step; DeepSpeed re-points the AdamW's param
+groups at its fp32 partitions, and the schedule sets the lr in those same groups.
 
 DeepSpeed's start-up (its JIT-compiled comm op, cached) and config live in
 distlab.strategies.deepspeed_runtime, shared with the DeepSpeed pipeline.
@@ -43,7 +44,7 @@ from distlab.device import DeviceChoice
 from distlab.jsonio import strict_json
 from distlab.models import whole_shape
 from distlab.safe_load import check_deepspeed
-from distlab.strategies.base import DistributedStrategy, cosine_with_warmup, save_consolidated
+from distlab.strategies.base import DistributedStrategy, save_consolidated
 from distlab.strategies.deepspeed_runtime import deepspeed_config, init_deepspeed, use_extensions_cache
 
 
@@ -57,7 +58,7 @@ class ZeroStrategy(DistributedStrategy):
         self.cfg = None
         self.engine = None
         self.ds_config: dict[str, Any] | None = None
-        self.loaded_partitioned = False  # stage 3: the model was built under deepspeed.zero.Init
+        self.placed_as_loaded = False  # stage 3: the model was built under deepspeed.zero.Init
 
     def setup(self, cfg) -> None:
         cache = use_extensions_cache()
@@ -72,7 +73,7 @@ class ZeroStrategy(DistributedStrategy):
         on every rank anyway: it loads as one device does."""
         if self.stage < 3:
             return super().load_context(cfg, choice)
-        self.loaded_partitioned = True
+        self.placed_as_loaded = True
         # the weights' dtype once the engine holds them: DeepSpeed's bf16 mode casts to bf16, else the run's
         bf16_mode = choice.autocast_dtype == torch.bfloat16
         return sharded_load.zero3_init(self.engine_config(cfg, choice), torch.bfloat16 if bf16_mode else choice.dtype)
@@ -81,18 +82,22 @@ class ZeroStrategy(DistributedStrategy):
         return deepspeed_config(cfg, self.data_parallel_size, self.stage, bf16=choice.autocast_dtype == torch.bfloat16,
                                 on_gpu=choice.device.type == "cuda", n_trained=n_trained)
 
-    def prepare(self, model: torch.nn.Module, choice: DeviceChoice, cfg):
+    # `compile` is left out: DeepSpeed hooks every module for its own partitioning (and has its own
+    # engine.compile()); compiling the layers under those hooks has not been tried here
+    compiles_layers = False
+
+    def optimizer_options(self, cfg) -> dict:
+        return {}  # the plain torch AdamW the engine takes over: fused_optimizer has not been tried under DeepSpeed
+
+    def wrap(self, model: torch.nn.Module, optimizer, scheduler, choice: DeviceChoice, cfg):
         import deepspeed  # deferred: DeepSpeed is optional, and its import is slow
 
-        if not self.loaded_partitioned:  # partitioned weights are on their device already; the engine moves the rest
-            model = model.to(choice.device)
-        elif choice.autocast_dtype == torch.bfloat16:
+        if self.placed_as_loaded and choice.autocast_dtype == torch.bfloat16:
             # DeepSpeed's bf16 mode casts a module to bf16, but skips one built under zero.Init (its weights
             # are bf16 already); PEFT's adapters came after, in fp32. Cast them as stage 2 and the planner do.
             for p in model.parameters():
                 if not hasattr(p, "ds_id") and p.is_floating_point() and p.dtype != torch.bfloat16:
                     p.data = p.data.to(torch.bfloat16)
-        optimizer = self.make_optimizer(model, cfg.lr, cfg.weight_decay)
         n_trained = sum(whole_shape(p).numel() for p in model.parameters() if p.requires_grad)
         self.ds_config = self.engine_config(cfg, choice, n_trained)
         if self.is_main:
@@ -101,9 +106,7 @@ class ZeroStrategy(DistributedStrategy):
             (out / "ds_config.json").write_text(strict_json(self.ds_config, indent=2) + "\n")
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         self.engine = engine
-        # The schedule drives the torch AdamW inside the engine, whose groups now hold DeepSpeed's
-        # fp32 partitions: one scheduler.step() per optimizer step changes the lr DeepSpeed uses.
-        scheduler = cosine_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+        # the loop steps the engine's optimizer; the schedule stays on the torch AdamW inside it
         return engine, engine.optimizer, scheduler
 
     def unwrap(self, model):

@@ -4,7 +4,8 @@ collectives, with the step's loss.
 
     torchrun --nproc-per-node 2 -m distlab.workers.step_bytes --out bytes.json --rows 4 --set seq_len=256
 
-The five run one after the other in the same ranks, each from the same initial weights on the same global
+`--set lora=true` counts LoRA instead of full fine-tuning (chapter 08's link sweep trains LoRA). The five run one
+after the other in the same ranks, each from the same initial weights on the same global
 batch (the first `--rows` rows of the training data): ddp and fsdp give each rank rows / k of them, tp every
 rank all of them. ddp's and fsdp's collectives are counted by the training loop's meter (`measure_comm`: DDP's
 comm hook, and FSDP2's all-gathers and reduce-scatters through torch.distributed), DTensor's by a dispatch
@@ -29,10 +30,11 @@ from distlab.config import load_config, parse_override
 from distlab.data import build_sft_data
 from distlab.device import choose_device
 from distlab.launch.local import TINY_CONFIG
+from distlab.lm_loss import CausalLMWithLoss
 from distlab.measure.collectives import CollectiveCounter, sent_per_rank
 from distlab.measure.meter import Meter
-from distlab.models import CausalLMWithLoss, load_model, load_tokenizer
-from distlab.prepare import seed_everything
+from distlab.models import load_model, load_tokenizer
+from distlab.prepare import apply_lora, seed_everything
 from distlab.strategies import make_strategy
 from distlab.workers import write_result
 
@@ -50,7 +52,8 @@ def one_step(cfg, rows: list[int], train_data) -> dict:
     try:
         choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
         seed_everything(cfg.seed)
-        model = CausalLMWithLoss(load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation))
+        model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation)
+        model = CausalLMWithLoss(apply_lora(model, cfg) if cfg.lora else model)  # `--set lora=true`: the adapters'
         model, optimizer, scheduler = strategy.prepare(model, choice, cfg)
         k, dp = strategy.world_size, strategy.data_parallel_size
         share = len(rows) // dp  # this rank's rows: a slice of the batch (ddp, fsdp) or all of it (tp)

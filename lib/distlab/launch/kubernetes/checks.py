@@ -9,7 +9,7 @@ list). Two layers:
 - `schema`: strict validation with the `kubernetes-validate` package (a test/dev dependency; it ships the
   JSON schemas of Kubernetes 1.25-1.37) against each of VERSIONS: unknown fields, wrong types and missing
   required fields fail. It does not check enum values, names, restart policies or a missing image;
-- distlab's own checks, each named (a broken manifest is rejected by each, see tests/test_kubernetes.py):
+- distlab's own checks, each named (a broken manifest is rejected by each, see tests/unit/test_kubernetes.py):
   `names` (DNS-1123 labels, DNS-1035 for Services, label values), `pod-hostname` (`<job>-<last index>`
   still fits 63 characters), `completion-mode` (Indexed), `parallelism` (= completions), `restart-policy`
   (Never or OnFailure, which a Job allows; Never when pods rendezvous), `headless-service` (clusterIP None,

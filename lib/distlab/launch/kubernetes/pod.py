@@ -159,7 +159,7 @@ def render_dockerfile(default_job: KubeJob) -> str:
         "# The default model (a tiny Qwen2 built from the repository's data) is built now, into build/models/;",
         "# the qwen2.5-0.5b-random preset needs only its tokenizer. Then the Hub is off for good.",
         "RUN useradd --create-home --uid 1000 distlab \\",
-        "    && python -c 'from distlab.models import build_default_model; print(build_default_model())' \\",
+        "    && python -c 'from distlab.tiny_base import build_default_model; print(build_default_model())' \\",
         f"    && chown -R distlab {APP_DIR}",
         "ENV HF_HUB_OFFLINE=1",
         "# the distlab user created above, by its uid (a name may not resolve on the node)",
