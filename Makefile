@@ -106,6 +106,7 @@ book: $(STAMP) deepspeed-op models
 # (and so `make publish`) flags them once the library changes. Several minutes on 2 cores: run on a quiet machine.
 benchmarks: $(STAMP) models deepspeed-op
 	$(PY) -m distlab.bench.trainer_vs_hf --out figures
+	$(PY) -m distlab.bench.compiled_step --full --out figures
 	$(PY) -m distlab.bench.scale_rehearsal --out figures
 
 # Push book/_build/html to the gh-pages branch of REMOTE (a remote name, URL or bare repository path) with

@@ -39,9 +39,17 @@ RUNG_LINE = re.compile(r"^(?P<change>\S.*?)\s+(?P<tps>\d+) tokens/s\s+MFU (?P<mf
 PEAK_LINE = re.compile(r"^matmul peak measured here: (?P<peak>[\d.]+) TFLOP/s")
 
 
+# The ladder the 2026-11-26/27 sessions ran (commits before the GPU-ready step): their logs name these rungs.
+LADDER_2026_11 = ("baseline: eager attention, padded rows, micro-batch 2", "+ fused AdamW", "+ SDPA attention",
+                  "+ micro-batch 8", "+ packing, per-document flash attention",
+                  "+ activation checkpointing, micro-batch 16", "+ torch.compile, block by block",
+                  "- activation checkpointing (memory allows it)", "+ bf16 weights, no autocast")
+
+
 def ladder_rows(call: Path, commit: str) -> list[dict]:
     """A call's rungs: its saved CSV where there is one, else the rung lines its log printed."""
-    names = [name for name, _ in RUNGS]
+    current = [name for name, _ in RUNGS]
+    names = current if any(name in (call / "mfu_ladder.log").read_text() for name in current[5:]) else LADDER_2026_11
     log = (call / "mfu_ladder.log").read_text()
     peak = next(float(m["peak"]) for m in map(PEAK_LINE.match, log.splitlines()) if m)
     if (call / "mfu_ladder.csv").exists():
@@ -80,7 +88,8 @@ def trainer_rows(record: Path) -> pd.DataFrame:
 def main(sessions: list[Path]) -> int:
     out = sessions[0].parent
     metas = {session.name: json.loads((session / "SESSION.json").read_text()) for session in sessions}
-    by_rung: dict[int, dict] = {}
+    # keyed by (rung, change): a later ladder that puts another change at the same rung is a row of its own
+    by_rung: dict[tuple[int, str], dict] = {}
     superseded, repeats, sources = [], [], []
     for session in sorted(sessions):  # a later call's measurement of a rung replaces an earlier one (newer code)
         meta = metas[session.name]
@@ -92,9 +101,10 @@ def main(sessions: list[Path]) -> int:
                 if row["rung"] in meta.get("ladder_repeats", []):  # same code again, away from its neighbours
                     repeats.append(row)
                     continue
-                if row["rung"] in by_rung:
-                    superseded.append({**by_rung[row["rung"]], "superseded_by": row["call"]})
-                by_rung[row["rung"]] = row
+                key = (row["rung"], row["change"])
+                if key in by_rung:
+                    superseded.append({**by_rung[key], "superseded_by": row["call"]})
+                by_rung[key] = row
     ladder = pd.DataFrame([by_rung[k] for k in sorted(by_rung)])
     first = metas[sorted(metas)[0]]
     versions = {k: sorted({m[k] for m in metas.values()}) for k in ("device", "driver", "cuda", "torch")}

@@ -19,6 +19,7 @@ module is on its right.
   tiny_base    the offline default model, built once: tokenizer, Qwen2 shape, pretraining run          ch. 01
   lm_loss      the loss module: next-token loss on label tokens only, the LM head applied there alone  ch. 01
   schedule     the learning-rate schedule: linear warm-up, then a cosine down to a floor               ch. 01
+  master_weights  fp32 master copies of bf16 weights that AdamW steps (master_weights: true)
   attention    per-document (varlen) attention for packed rows; which SDPA backends run                ch. 01, 04
   dropout      LoRA dropout from 16-bit coins                                                          ch. 01
   device       device/dtype choice, process-group backend, peak FLOP/s, memory readings                ch. 01

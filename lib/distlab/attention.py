@@ -11,12 +11,20 @@ Elsewhere it is a loop of SDPA calls with `is_causal=True`, which any device run
 
     load_model(..., attn_implementation=VARLEN)   # or TrainConfig(attn_implementation="varlen")
 
-Document boundaries come from the position ids, which restart at 0 for every packed document
-(distlab.data.collate does this; so does Hugging Face's generate for left padding, where every pad
-gets its own position and the real tokens start at 0). Anything else takes the ordinary SDPA
-path with the ordinary mask: generation steps with a KV cache (query shorter than keys), calls
-without position ids. The mask is still built (it is cheap next to the attention) so that
-fallback is always exact.
+Where the boundaries come from:
+- Training batches carry them, built on the host where the data already is (distlab.data.collate):
+  `cu_seq_lens_q`, every document's start in the micro-batch laid end to end, and `max_length_q`, a
+  fixed bound (the row width), so nothing in a step reads them back from the device and a compiled
+  block sees the same graph for every batch. distlab.lm_loss runs the decoder layers with them.
+  On CUDA they go straight to the varlen kernel; elsewhere to `distlab::document_attention`, an
+  opaque custom op (with a fake implementation for tracing), so a compiled block has the same
+  boundary on a CPU as on a GPU.
+- Otherwise, from the position ids, which restart at 0 for every packed document (Hugging Face's
+  generate does this for left padding too: every pad gets its own position and the real tokens start
+  at 0). That path reads them on the host once per forward (the pipelines' stages and generation).
+Anything else takes the ordinary SDPA path with the ordinary mask: generation steps with a KV cache
+(query shorter than keys), calls without position ids. The mask is still built there (it is cheap
+next to the attention) so that fallback is always exact.
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                      is_causal=None, **kwargs):
     """transformers attention-interface function: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
+    dropout_p = dropout if module.training else 0.0
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is not None and dropout_p == 0.0 and query.shape[2] == key.shape[2]:
+        return document_attention(query, key, value, cu_seqlens, kwargs["max_length_q"], scaling), None
     position_ids = kwargs.get("position_ids")
     if position_ids is None or query.shape[2] != key.shape[2] or position_ids.shape[-1] != query.shape[2]:
         # deferred: transformers is slow to import
@@ -56,7 +68,6 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    dropout_p = dropout if module.training else 0.0
     out_dtype = query.dtype
     sixteen_bit = torch.is_autocast_enabled("cpu") or query.dtype in (torch.bfloat16, torch.float16)
     if query.device.type == "cpu" and sixteen_bit:
@@ -72,8 +83,124 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     return _varlen(query, key, value, position_ids, dropout_p, scaling)
 
 
+def document_attention(query, key, value, cu_seqlens: torch.Tensor, max_seqlen: int, scaling=None) -> torch.Tensor:
+    """Causal attention within each document of a micro-batch whose boundaries are given: `cu_seqlens`
+    (int32, on the model's device) holds every document's start with the rows laid end to end, then
+    batch x seq; `max_seqlen` bounds a document's length. (batch, heads, seq, dim) in, (batch, seq,
+    heads, dim) out. Reads nothing back to the host: the kernel takes the boundaries as they are."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.is_cuda and _varlen_attn is not None:
+        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+        if half in (torch.float16, torch.bfloat16):  # flash kernels take 16-bit operands only
+            return _flash_documents(query.to(half), key.to(half), value.to(half), cu_seqlens, max_seqlen, scale)
+    if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
+        repeat = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    out_dtype = query.dtype
+    if query.device.type == "cpu" and (torch.is_autocast_enabled("cpu") or out_dtype != torch.float32):
+        # fp32 on a CPU whenever the model computes in 16 bits: see varlen_attention
+        with torch.autocast("cpu", enabled=False):
+            out, _ = torch.ops.distlab.document_attention(query.float(), key.float(), value.float(), cu_seqlens,
+                                                          scale)
+        return out.to(out_dtype).transpose(1, 2).contiguous()
+    out, _ = torch.ops.distlab.document_attention(query, key, value, cu_seqlens, scale)
+    return out.transpose(1, 2).contiguous()
+
+
+def _flash_documents(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
+    """flash-attention's varlen kernel over the micro-batch laid end to end: (batch * seq, heads, dim)."""
+    batch, heads, seq, dim = query.shape
+
+    def flat(t):  # (batch, heads, seq, dim) -> (batch * seq, heads, dim)
+        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim)
+
+    scale_kw = {"scale": scale} if _VARLEN_TAKES_SCALE else {}  # 2.10 had none: always 1/sqrt(dim), Qwen2's too
+    if key.shape[1] != heads and not _VARLEN_TAKES_GQA:  # older kernels want one key/value head per query head
+        key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
+    gqa = {"enable_gqa": True} if key.shape[1] != heads else {}
+    out = _varlen_attn(flat(query), flat(key), flat(value), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                       **scale_kw, **gqa, **_CAUSAL)
+    return out.view(batch, seq, heads, dim)
+
+
+def host_boundaries(cu_seqlens: torch.Tensor) -> list[int]:
+    """The document starts as Python ints, read by the CPU kernel below (the one host read it makes, as
+    flash-attention's kernel reads them from device memory)."""
+    return cu_seqlens.tolist()
+
+
+def _documents(cu_seqlens: torch.Tensor, seq: int):
+    """(row, start, end) of every non-empty document, from starts in end-to-end coordinates."""
+    bounds = host_boundaries(cu_seqlens)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            row = s // seq
+            yield row, s - row * seq, e - row * seq
+
+
+# The CPU kernel: PyTorch's CPU flash attention (causal) on each document's slice, its log-sum-exp kept for the
+# backward, which calls the matching backward kernel on the same slices. Opaque to torch.compile: Dynamo never
+# sees the loop over documents, so no boundary becomes a constant it must guard on.
+@torch.library.custom_op("distlab::document_attention", mutates_args=())
+def _document_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seq, _ = query.shape
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    lse = torch.zeros(batch, heads, seq, dtype=torch.float32, device=query.device)
+    for b, s, e in _documents(cu_seqlens, seq):
+        o, m = compat.cpu_flash_attention(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
+                                          True, scale)
+        out[b:b + 1, :, s:e] = o
+        lse[b:b + 1, :, s:e] = m
+    return out, lse
+
+
+@_document_attention_op.register_fake
+def _(query, key, value, cu_seqlens, scale):
+    batch, heads, seq, _ = query.shape
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            query.new_empty(batch, heads, seq, dtype=torch.float32))
+
+
+@torch.library.custom_op("distlab::document_attention_backward", mutates_args=())
+def _document_attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                    value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                    cu_seqlens: torch.Tensor, scale: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (query, key, value)]
+    for b, s, e in _documents(cu_seqlens, query.shape[2]):
+        part = (slice(b, b + 1), slice(None), slice(s, e))
+        pieces = compat.cpu_flash_attention_backward(grad_out[part], query[part], key[part], value[part], out[part],
+                                                     lse[part], True, scale)
+        for grad, piece in zip(grads, pieces):
+            grad[part] = piece
+    return tuple(grads)
+
+
+@_document_attention_backward_op.register_fake
+def _(grad_out, query, key, value, out, lse, cu_seqlens, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, cu_seqlens, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    query, key, value, out, lse, cu_seqlens = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.distlab.document_attention_backward(
+        grad_out.contiguous(), query, key, value, out, lse, cu_seqlens, ctx.scale)
+    return grad_q, grad_k, grad_v, None, None
+
+
+_document_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
-    spans = _spans_for(position_ids.expand(query.shape[0], -1))
+    spans = _spans_for(position_ids, query.shape[0])
     if query.is_cuda and dropout_p == 0.0 and _flash_varlen:
         # Flash kernels take 16-bit operands only. Under autocast the rotary embedding hands us fp32 queries
         # (fp32 cos/sin times bf16 projections); SDPA would cast them down itself, as autocast lists it.
@@ -110,33 +237,24 @@ _VARLEN_TAKES_GQA = "enable_gqa" in _VARLEN_PARAMETERS
 _last_spans: tuple = (None, None)  # (position_ids, spans) of the forward in progress
 
 
-def _spans_for(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+def _spans_for(position_ids: torch.Tensor, rows: int) -> list[list[tuple[int, int]]]:
     """document_spans, read from the device once per forward: every layer gets the same position-id
-    tensor, and each reading waits for the GPU to catch up with the host."""
+    tensor (the cache keys on that object itself, never on a fresh view of it), and each reading waits
+    for the GPU to catch up with the host. One row of position ids serves every row of the batch."""
     global _last_spans
     if _last_spans[0] is not position_ids:
         _last_spans = (position_ids, document_spans(position_ids))
-    return _last_spans[1]
+    spans = _last_spans[1]
+    return spans * rows if len(spans) == 1 and rows > 1 else spans
 
 
 def _flash_varlen_call(query, key, value, spans, scaling):
-    """All documents of the micro-batch in one flash-attention varlen call: the rows are laid end to
-    end as one (tokens, heads, dim) sequence and `cu_seq` marks where each document starts."""
-    batch, heads, seq, dim = query.shape
+    """All documents of the micro-batch in one flash-attention varlen call, boundaries read from `spans`."""
+    batch, _, seq, dim = query.shape
     starts = [b * seq + s for b, row in enumerate(spans) for s, _ in row] + [batch * seq]
     longest = max(e - s for row in spans for s, e in row)
     cu_seq = torch.tensor(starts, dtype=torch.int32).to(query.device, non_blocking=True)
-
-    def flat(t):  # (batch, heads, seq, dim) -> (batch * seq, heads, dim)
-        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim)
-
-    scale = {"scale": scaling} if _VARLEN_TAKES_SCALE else {}  # 2.10 had none: always 1/sqrt(dim), Qwen2's too
-    if key.shape[1] != heads and not _VARLEN_TAKES_GQA:  # older kernels want one key/value head per query head
-        key, value = (t.repeat_interleave(heads // key.shape[1], dim=1) for t in (key, value))
-    gqa = {"enable_gqa": True} if key.shape[1] != heads else {}  # the kernel shares each key/value head itself
-    out = _varlen_attn(flat(query), flat(key), flat(value), cu_seq, cu_seq, longest, longest, **scale, **gqa,
-                       **_CAUSAL)
-    return out.view(batch, seq, heads, dim), None
+    return _flash_documents(query, key, value, cu_seq, longest, scaling if scaling is not None else dim ** -0.5), None
 
 
 _flash_varlen = _flash_varlen_call if _varlen_attn is not None else None

@@ -61,6 +61,13 @@ SYMBOLS: tuple[PrivateSymbol, ...] = (
     _torch("torch.distributed", "_all_gather_base", "timing every collective (older all-gather name)"),
     _torch("torch.distributed", "_reduce_scatter_base", "timing every collective (older reduce-scatter name)"),
     _torch("torch.utils._python_dispatch", "TorchDispatchMode", "counting the collectives DTensor issues (ch. 07)"),
+    _torch("torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu",
+           "per-document attention on a CPU, its log-sum-exp kept for the backward (distlab.attention)"),
+    _torch("torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward",
+           "per-document attention's backward on a CPU (distlab.attention)"),
+    _torch("torch._dynamo", "maybe_mark_dynamic", "a compiled block takes the document count as a symbol"),
+    _torch("torch._dynamo.config", "error_on_recompile", "the MFU ladder's compile rungs: a recompile is an error"),
+    _torch("torch", "_foreach_copy_", "fp32 master weights copied into the bf16 weights in one call"),
     _torch(_PIPE_SCHEDULES, "_batch_p2p", "timing each stage-to-stage send/receive of a pipeline step"),
     _torch(_PIPE_SCHEDULES, "_wait_batch_p2p", "timing each stage-to-stage send/receive of a pipeline step"),
     _torch(_PIPE_STAGE, "forward_one_chunk", "time-stamping each micro-batch forward on a stage"),
@@ -108,9 +115,11 @@ def _symbol(owner: str, name: str) -> PrivateSymbol:
 
 
 def _owner(sym: PrivateSymbol) -> Any:
-    module, _, cls = sym.owner.partition(":")
+    module, _, path = sym.owner.partition(":")  # "module:Class", or "module:attr.attr" (torch:ops.aten)
     obj = importlib.import_module(module)
-    return getattr(obj, cls) if cls else obj
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
 
 
 def is_present(sym: PrivateSymbol) -> bool:
@@ -177,6 +186,43 @@ def wrap_stage_chunks(stage, wrap_forward: Callable, wrap_backward: Callable) ->
     """Wrap one PipelineStage's per-micro-batch forward and backward (on the instance only)."""
     stage.forward_one_chunk = wrap_forward(_get(stage, _PIPE_STAGE, "forward_one_chunk"))
     stage.backward_one_chunk = wrap_backward(_get(stage, _PIPE_STAGE, "backward_one_chunk"))
+
+
+def cpu_flash_attention(query, key, value, causal: bool, scale: float):
+    """(output, log-sum-exp) of PyTorch's CPU flash attention, the pair its backward needs."""
+    kernel = _get(torch.ops.aten, "torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu")
+    return kernel(query, key, value, 0.0, causal, scale=scale)
+
+
+def cpu_flash_attention_backward(grad_out, query, key, value, out, log_sum_exp, causal: bool, scale: float):
+    """(grad query, grad key, grad value) of cpu_flash_attention."""
+    kernel = _get(torch.ops.aten, "torch:ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward")
+    return kernel(grad_out, query, key, value, out, log_sum_exp, 0.0, causal, scale=scale)
+
+
+def mark_varying(tensor: torch.Tensor, dim: int) -> None:
+    """Tell torch.compile that this dimension varies from call to call (no specialisation on its first value)."""
+    _module_attr("torch._dynamo", "maybe_mark_dynamic")(tensor, dim)
+
+
+def fail_on_recompile() -> None:
+    """From now on a compiled function that would recompile raises instead, naming the guard that failed."""
+    config = importlib.import_module("torch._dynamo.config")
+    _get(config, "torch._dynamo.config", "error_on_recompile")
+    config.error_on_recompile = True
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i, batched in as few kernels as the device allows."""
+    _get(torch, "torch", "_foreach_copy_")(dst, src)
+
+
+# ----------------------------------------------------------------------------- transformers
+
+def attn_implementation(config) -> str | None:
+    """The attention a transformers model runs, as its config resolved it: transformers keeps it private (no
+    public getter in 5.x), and distlab.lm_loss must know whether a decoder uses per-document attention."""
+    return getattr(config, "_attn_implementation", None)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed pipeline

@@ -22,7 +22,8 @@ PIPELINE_STRATEGIES: tuple[str, ...] = ("pipeline", "ds_pipeline")  # the world 
 TP_STRATEGIES: tuple[str, ...] = ("tp", "fsdp_tp")  # every layer split over a tensor-parallel group
 # The models known by name, read here without importing torch: the offline default, the random-weight presets
 # and the pretrained bases that come from a package. distlab.models builds each, and checks this list against its own.
-MODEL_PRESETS: tuple[str, ...] = ("distlab-tiny", "qwen2.5-0.5b-random", "distlab-tiny-random", "smollm2-135m-instruct")
+MODEL_PRESETS: tuple[str, ...] = ("distlab-tiny", "qwen2.5-0.5b-random", "distlab-tiny-random", "nanochat-d20-random",
+                                  "smollm2-135m-instruct")
 
 # DeepSpeed settings distlab's DeepSpeed config uses, which the memory planner plans with too.
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (elements)
@@ -88,7 +89,11 @@ class TrainConfig:
     dtype: str = "auto"  # auto | auto-bf16 | fp32 | bf16-autocast | bf16 | fp16-autocast (distlab.device.choose_device)
     activation_checkpointing: bool = False
     fused_optimizer: bool = False  # AdamW as one fused kernel per step (CUDA): no per-tensor launches
-    compile: bool = False  # torch.compile each decoder layer (one compiled graph serves them all)
+    compile: bool = False  # torch.compile each decoder layer, fullgraph (one compiled graph serves them all)
+    # the loss's cross entropy over labelled positions: chunked (a slice of rows at a time, so the tokens x
+    # vocabulary fp32 logits never exist whole; distlab.lm_loss) | plain (all labelled rows' logits at once)
+    cross_entropy: str = "chunked"
+    master_weights: bool = False  # with dtype=bf16: the optimizer steps an fp32 copy of every trained weight
     num_threads: int | None = None  # None: keep torch's (torchrun sets OMP_NUM_THREADS=1)
     collective_timeout_s: int = 300  # a rank waiting longer than this in a collective fails the job
     measure_comm: bool = False  # time gradient all-reduces separately (ddp; serialises comm and compute)
@@ -148,6 +153,7 @@ class TrainConfig:
         if self.vocab_parallel and self.strategy != "tp":
             raise ConfigError(f"TrainConfig: vocab_parallel=true needs strategy=tp, not {self.strategy!r}")
         _check_quantised(self)
+        _check_master_weights(self)
         if self.ddp_comm_hook and self.strategy != "ddp":  # other strategies would ignore it without a word
             raise ConfigError(f"TrainConfig: ddp_comm_hook={self.ddp_comm_hook!r} needs strategy=ddp "
                               f"(strategy={self.strategy!r} does not all-reduce gradients through DDP)")
@@ -211,6 +217,33 @@ def _check_quantised(cfg: TrainConfig) -> None:
         raise ConfigError(f"TrainConfig: optimizer={cfg.optimizer!r} runs with strategy "
                           f"{' or '.join(OPTIMIZER_8BIT_STRATEGIES)}, not {cfg.strategy!r} (which shards or splits "
                           "the optimizer state its own way); use adamw")
+
+
+# Where master_weights runs: strategies whose optimizer is a plain torch optimizer over each rank's local weights
+# (distlab.master_weights wraps it). DeepSpeed (zero2, zero3, ds_pipeline) keeps fp32 masters of its own; FSDP's
+# checkpoints map optimizer state to the model's weights by identity, which masters are not (and FSDP2 keeps fp32
+# shards itself with dtype=bf16-autocast); the pipeline and tensor-parallel optimizers have not been tried with it.
+MASTER_WEIGHT_STRATEGIES = ("single", "ddp")
+
+
+def _check_master_weights(cfg: TrainConfig) -> None:
+    """master_weights against dtype, strategy and optimizer: one line naming the field at fault."""
+    if not cfg.master_weights:
+        return
+    if cfg.dtype != "bf16":
+        raise ConfigError(f"TrainConfig: master_weights=true needs dtype='bf16' (weights stored in bf16), not "
+                          f"{cfg.dtype!r}: other dtypes keep fp32 weights, which are their own masters")
+    if cfg.strategy not in MASTER_WEIGHT_STRATEGIES:
+        raise ConfigError(f"TrainConfig: master_weights=true runs with strategy "
+                          f"{' or '.join(MASTER_WEIGHT_STRATEGIES)}, not {cfg.strategy!r} (its optimizer is not a "
+                          "plain torch optimizer over the local weights; for fsdp use dtype=bf16-autocast, whose "
+                          "shards are fp32)")
+    if cfg.optimizer != "adamw":
+        raise ConfigError(f"TrainConfig: master_weights=true steps torch AdamW on the masters, not "
+                          f"optimizer={cfg.optimizer!r}; use optimizer=adamw")
+    if cfg.lora:
+        raise ConfigError("TrainConfig: master_weights=true applies to full fine-tuning (lora=false): the LoRA "
+                          "adapters of a bf16 run are fp32 already, their own masters")
 
 
 class ConfigError(ValueError):
@@ -336,6 +369,7 @@ RULES = {
     "lora_targets": (lambda v: len(v) > 0, "a non-empty list of module names"),
     "quantization": _one_of("none", "nf4", "int8"), "quant_compute_dtype": _one_of("auto", "fp32", "bf16", "fp16"),
     "optimizer": _one_of("adamw", "adamw_8bit", "paged_adamw_8bit"),
+    "cross_entropy": _one_of("chunked", "plain"),
     "micro_batch_size": _at_least(1), "grad_accum": _at_least(1), "global_batch_size": _at_least(1),
     "max_steps": _at_least(1), "epochs": _positive(), "lr": _positive(), "weight_decay": _at_least(0),
     "warmup_steps": _at_least(0),

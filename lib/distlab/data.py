@@ -394,19 +394,48 @@ def collate(items: Sequence[Item], pad_id: int, packed: bool, pad_to: int | None
     batch: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if packed:
         batch["position_ids"] = pos
+        batch.update(document_bounds(pos))
     else:
         batch["attention_mask"] = mask
+    batch.update(label_positions(labels))
     batch["n_real_tokens"] = int(mask.sum())
-    batch["n_label_tokens"] = int((labels[:, 1:] != IGNORE_INDEX).sum())  # labels are shifted in the loss
+    batch["n_label_tokens"] = len(batch["label_targets"])
     batch["n_samples"] = sum(it.n_samples for it in items)
     return batch
 
 
-MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
+def document_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
+    """Where each packed document starts, for per-document attention (distlab.attention), built here on the
+    host where the rows are, so no step reads them back from a device: `cu_seq_lens_q` holds every start
+    with the rows laid end to end, then rows x width (int32, flash-attention's convention); `max_length_q`
+    is the row width, a bound that is the same for every batch (a compiled block never sees a new one).
+    A document starts wherever a position is not the previous one plus one (padding restarts its own)."""
+    rows, width = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    flat = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * width])])
+    return {"cu_seq_lens_q": flat.to(torch.int32), "max_length_q": width}
 
 
-def model_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS if k in batch}
+def label_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The positions whose next token is a label, as flat indices into (rows x width) hidden states, and
+    those labels: the loss gathers exactly these rows without a boolean mask, which would read its count
+    back from the device (distlab.lm_loss)."""
+    following = torch.full_like(labels, IGNORE_INDEX)
+    following[:, :-1] = labels[:, 1:]
+    flat = following.flatten()
+    where = (flat != IGNORE_INDEX).nonzero().flatten()
+    return {"label_index": where, "label_targets": flat[where]}
+
+
+MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask", "cu_seq_lens_q", "max_length_q",
+                "label_index", "label_targets")
+
+
+def model_inputs(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """What a model's forward takes of a batch, tensors moved to `device` (the bound stays a Python int)."""
+    return {k: batch[k].to(device, non_blocking=True) if isinstance(batch[k], torch.Tensor) else batch[k]
+            for k in MODEL_INPUTS if k in batch}
 
 
 @dataclass

@@ -9,7 +9,8 @@ survivors are scaled by its inverse, so the expected activation is unchanged, as
 inverted dropout. It uses torch's generator, so `torch.manual_seed` makes it reproducible.
 
 TrainConfig.fast_dropout (default on) swaps it in for peft's `nn.Dropout` modules; off gives
-peft's own dropout.
+peft's own dropout. Inside a compiled block it is the stock dropout: the compiler draws its random
+numbers in the kernel that uses them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class Dropout16(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.threshold == 0:
             return x
+        if torch.compiler.is_compiling():
+            # a compiled block draws its random numbers in the generated kernel (fused with their use), so the
+            # eager saving does not apply, and Dynamo cannot trace the in-place draw below: the stock dropout
+            return torch.nn.functional.dropout(x, self.p, True)
         local = x.to_local() if isinstance(x, DTensor) else x
         n = local.numel()
         words = torch.empty((n + 3) // 4, dtype=torch.int64, device=local.device).random_(-2**63, 2**63 - 1)

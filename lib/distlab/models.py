@@ -37,7 +37,18 @@ DEFAULT_MODEL = "distlab-tiny"  # the pretrained tiny Qwen2 base
 QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                         num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                         tie_word_embeddings=True, rms_norm_eps=1e-6, vocab_size=151936)
-RANDOM_PRESETS = {"qwen2.5-0.5b-random": QWEN25_05B_SHAPE, "distlab-tiny-random": TINY_QWEN2}
+# Shape of nanochat's d20 (depth 20: width 20 x 64, 128-wide heads, a 65,536-token vocabulary, untied embedding
+# and LM head; 561M parameters), written as a Qwen2 config so that our MFU can be set beside nanochat's. Only the
+# FFN differs in kind: nanochat's is two 1280 x 5120 matrices (relu^2), a Qwen2 block's is gated, three 1280 x I.
+# Equal weights would be I = 2 x 5120 / 3 = 3413.3; 3456 is the multiple of 128 nearest it (tile-aligned matmuls,
+# as nanochat's 5120 is), which gives 564.4M parameters, 0.6% over d20 (q/k/v biases and norms add 0.1M).
+# nanochat's blocks differ too where the FLOP count does not look (none is a matmul): no q/k/v biases, a QK norm,
+# a logit softcap.
+NANOCHAT_D20_SHAPE = dict(hidden_size=1280, intermediate_size=3456, num_hidden_layers=20, num_attention_heads=10,
+                          num_key_value_heads=10, head_dim=128, max_position_embeddings=2048, rope_theta=10000.0,
+                          tie_word_embeddings=False, rms_norm_eps=1e-6, vocab_size=65536)
+RANDOM_PRESETS = {"qwen2.5-0.5b-random": QWEN25_05B_SHAPE, "distlab-tiny-random": TINY_QWEN2,
+                  "nanochat-d20-random": NANOCHAT_D20_SHAPE}
 # Real pretrained bases that come offline, from a package: name -> builder returning a from_pretrained folder
 PRETRAINED_BASES = {SMOLLM2: build_smollm2}
 assert (DEFAULT_MODEL, *RANDOM_PRESETS, *PRETRAINED_BASES) == MODEL_PRESETS, \

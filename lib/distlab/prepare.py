@@ -80,6 +80,6 @@ def prepare_run(cfg: TrainConfig, strategy):
     model.config.use_cache = False
     if cfg.lora:  # LoRA: drawn here, from the seeded generator, before the weights go to meta and before any cut
         model = apply_lora(model, cfg)
-    model = CausalLMWithLoss(model)
+    model = CausalLMWithLoss(model, cfg.cross_entropy)
     # weightless: the strategy's `prepare` (parallelize) cuts it, then fills each rank's part (sharded_load.fill)
     return choice, tokenizer, train_data, eval_data, sharded_load.defer_weights(model, cfg.model) if shards else model

@@ -69,7 +69,7 @@ def measure_training_memory(cfg: TrainConfig) -> TrainingMemory:
         dtype=trainer_dtype(choice), lora_r=cfg.lora_r if cfg.lora else None, lora_targets=cfg.lora_targets,
         micro_batch=cfg.micro_batch_size, seq_len=cfg.seq_len,
         activation_checkpointing=cfg.activation_checkpointing, lora_dropout=cfg.lora_dropout,
-        loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel())
+        loss_token_fraction=first["n_label_tokens"] / first["input_ids"].numel(), cross_entropy=cfg.cross_entropy)
     return TrainingMemory(measured, model.causal_lm.config, estimate_args)
 
 

@@ -183,6 +183,7 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
         "rows_per_step": batches.rows_per_step, "steps_per_epoch": batches.steps_per_epoch,
         "rows_left_out_per_epoch": batches.dropped_per_epoch,
         "flops_per_token": flops_per_token, "executed_flops_per_token": executed_flops_per_token,
+        "label_fraction": train_data.label_tokens / train_data.real_tokens,
         "peak_flops": peak, "peak_flops_source": peak_source,
         "threads": torch.get_num_threads(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "versions": provenance.package_versions(), "commit": provenance.git_commit(),
@@ -209,37 +210,44 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
                disable=not (strategy.is_main and cfg.progress))
     model.train()
     reset_peak_memory(choice.device)
-    window: list[float] = []
+    # The host reads the device only at logging steps: the loss and the gradient norm stay tensors on the
+    # device until then, and the clock is read once per logging window (after a synchronize), so a step
+    # never waits for the device to drain. step_time_s is the window's mean (the step itself with
+    # logging_steps=1): building the micro-batches included, a checkpoint's save (logged with its own time) not.
+    window_steps, window_tokens, window_samples = 0, 0, 0
     loss = float("nan")
+    synchronize(choice.device)
+    window_start = time.perf_counter()
     for step in range(first_step, cfg.max_steps + 1):
         micro = [train_data.batch(rows) for rows in batches.next_step()]
-        synchronize(choice.device)
-        t0 = time.perf_counter()
-        counts = torch.tensor([sum(b["n_label_tokens"] for b in micro), sum(b["n_real_tokens"] for b in micro),
-                               sum(b["n_samples"] for b in micro)], dtype=torch.float64)
-        counts = strategy.all_reduce_sum(counts.to(choice.device)).cpu()
-        local_loss, grad_norm = strategy.train_step(model, micro, choice, int(counts[0]), optimizer, scheduler,
+        counts = [sum(b["n_label_tokens"] for b in micro), sum(b["n_real_tokens"] for b in micro),
+                  sum(b["n_samples"] for b in micro)]  # host numbers, from the collate
+        if strategy.world_size > 1:  # the global batch's counts: one small all-reduce, read here
+            reduced = strategy.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=choice.device))
+            counts = [int(c) for c in reduced.cpu().tolist()]
+        local_loss, grad_norm = strategy.train_step(model, micro, choice, counts[0], optimizer, scheduler,
                                                     cfg.max_grad_norm)
-        loss = float(strategy.all_reduce_sum(torch.tensor([local_loss], dtype=torch.float64, device=choice.device)))
-        synchronize(choice.device)
-        step_time = time.perf_counter() - t0
-        measured = strategy.meter.take_step()  # communication, pipeline timeline: after the clock stopped
-        window.append(step_time)
+        step_loss = strategy.all_reduce_sum(torch.as_tensor(local_loss, dtype=torch.float64, device=choice.device))
+        measured = strategy.meter.take_step()  # communication, pipeline timeline: off unless asked for
+        window_steps, window_tokens, window_samples = (window_steps + 1, window_tokens + counts[1],
+                                                       window_samples + counts[2])
         bar.update(1)
         faults.after_step(step, strategy.rank)
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            tokens_per_s = float(counts[1]) / step_time
+            synchronize(choice.device)
+            elapsed = time.perf_counter() - window_start
+            loss, step_time = float(step_loss), elapsed / window_steps
+            tokens_per_s = window_tokens / elapsed
             record = dict(step=step, world_size=strategy.world_size, loss=loss,
-                          lr=scheduler.get_last_lr()[0], grad_norm=grad_norm, step_time_s=step_time,
-                          mean_step_time_s=sum(window) / len(window), tokens=int(counts[1]),
-                          tokens_per_s=tokens_per_s, samples_per_s=float(counts[2]) / step_time,
-                          peak_mem_bytes=peak_memory_bytes(choice.device),
+                          lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm), step_time_s=step_time,
+                          mean_step_time_s=step_time, tokens=counts[1], tokens_per_s=tokens_per_s,
+                          samples_per_s=window_samples / elapsed, peak_mem_bytes=peak_memory_bytes(choice.device),
                           mfu=utilisation(tokens_per_s, flops_per_token, peak, strategy.world_size),
                           hfu=utilisation(tokens_per_s, executed_flops_per_token, peak, strategy.world_size),
                           epoch=batches.epoch, **measured)
             log.write("step", **record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            window.clear()
+            window_steps, window_tokens, window_samples = 0, 0, 0
         # Every rank finished this step; did a scheduler signal any of them? They stop together, at this step,
         # and agree on which signal it was (the larger number, SIGTERM over SIGUSR1: the more urgent one).
         signum = strategy.world_max(stop.signum or 0)
@@ -252,6 +260,7 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
             log.write("checkpoint", step=step, save_s=time.perf_counter() - t_save,
                       bytes=checkpoint.folder_bytes(saved) if strategy.is_main else None,
                       **({"stopped_on": signal.Signals(signum).name} if stopping else {}))
+            window_start += time.perf_counter() - t_save  # the save is no part of the steps' time
             if stopping:
                 bar.close()
                 if strategy.is_main:  # after the save: the requeue ends this attempt, and loses nothing now
@@ -259,6 +268,8 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
                     if said:
                         print(said, flush=True)
                 raise Preempted(signum, step, saved)
+        if window_steps == 0:  # a window was just logged: the next one starts now
+            window_start = time.perf_counter()
     bar.close()
 
     eval_after = strategy.evaluate(model, eval_data, choice) if (eval_data and cfg.eval_at_end) else None

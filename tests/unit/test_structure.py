@@ -30,7 +30,7 @@ LAYERS = (
     {"distlab", "attention", "batching", "checkpoint", "cli", "compat", "config", "data", "device", "dropout",
      "faults", "generate", "jsonio", "keyfacts", "layer_split", "metrics", "models", "paths", "prepare", "provenance",
      "yaml_input", "markdown", "machine", "preemption", "folder_lock", "safe_load", "sharded_load",
-     "pretrained", "model_build", "tiny_base", "lm_loss", "schedule"},
+     "pretrained", "model_build", "tiny_base", "lm_loss", "schedule", "master_weights"},
     {"measure", "results"},  # watching a run from outside, and the one results vocabulary
     {"strategies"},  # how the loop is distributed
     # the loop; memory before running, and one real step's (step_memory); writing and running launches

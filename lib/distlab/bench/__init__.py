@@ -3,6 +3,7 @@ never absolute targets. Each is `python -m distlab.bench.<name>` with `--help`.
 
   trainer_vs_hf       distlab's loop vs HF Trainer (fp32 and bf16) vs TRL SFTTrainer, one thread each,  ch. 01
                       and the recipe ablation (--out: the tables of book/appendix_benchmarks.md)
+  compiled_step       the LoRA step, each decoder block compiled vs eager, one thread; compile seconds   CPU
   mfu_ladder          full fine-tuning tokens/s and MFU on one GPU, one optimisation added per rung      GPU
   ddp_scaling         2-rank DDP efficiency against 1 rank                                              ch. 02
   memory_recipes      the QLoRA ladder (bf16 LoRA, nf4 base, 8-bit AdamW, checkpointing): bytes measured   ch. 01

@@ -50,8 +50,9 @@ def owned_bytes(tensors, seen: set | None = None) -> int:
 
 
 def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    """The tensors of a torch optimizer's state (moments), leaving out 0-d step counters."""
-    out = []
+    """The tensors of a torch optimizer's state (moments), leaving out 0-d step counters, and the fp32 masters
+    of a distlab.master_weights optimizer (state it keeps beside its inner optimizer's)."""
+    out = list(getattr(optimizer, "master_params", ()))
     for state in getattr(optimizer, "state", {}).values():
         out += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
     return out

@@ -372,7 +372,7 @@ def plan_pipeline(s: PlanSetup, rank: int) -> MemoryBreakdown:
     t = sum(p.numel for p in mine if p.trainable)
     w, a = s.split(s.frozen_bytes(lambda p: p.numel if p.name in names else 0), t * s.trainable_bytes)
     in_flight = min(stages - stage, max(s.grad_accum, 1))
-    micro_batch, seq_len, ckpt, lora_r, targets, lora_dropout, _ = s.activation_args
+    micro_batch, seq_len, ckpt, lora_r, targets, lora_dropout, _, _ = s.activation_args
     layer_acts = activation_bytes_estimate(s.config, micro_batch, seq_len, s.activation_bytes, ckpt, lora_r, targets,
                                            lora_dropout, 0.0)  # every layer, without the loss's logits
     share = layer_acts * len(layers) / shape["layers"] * in_flight
@@ -485,7 +485,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
                 pipeline_stages: int | None = None, stage_layers: Sequence[int] | None = None, grad_accum: int = 1,
                 offload_optimizer: bool = False, zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD,
                 rank: int | None = None, tp_size: int | None = None, double_quant: bool = True,
-                vocab_parallel: bool = False) -> MemoryBreakdown:
+                vocab_parallel: bool = False, cross_entropy: str = "chunked") -> MemoryBreakdown:
     """Predicted bytes one rank holds while training `config` with `strategy` on `world_size` ranks.
 
     config: any HF causal-LM config (object or dict) of the Llama/Qwen family. dtype: one the trainer
@@ -532,6 +532,8 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
         raise ValueError(f"vocab_parallel is a setting of strategy tp, not {strategy!r}")
     if strategy in PIPELINE_STRATEGIES and world_size % stages:
         raise ValueError(f"world_size {world_size} is not a multiple of pipeline_stages {stages}")
+    if strategy == "zero3":  # the head weight is a ZeRO-3 partition there: the plain cross entropy (distlab.lm_loss)
+        cross_entropy = "plain"
     prec = resolve_precision(strategy, dtype, lora=bool(lora_r), optimizer=optimizer, weight_bytes=weight_bytes,
                              trainable_bytes=trainable_bytes, activation_bytes=activation_bytes)
     wb, tb, act_b = prec.weight_bytes, prec.trainable_bytes, prec.activation_bytes
@@ -540,7 +542,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
     quantization = quantisation_of(dtype, wb)
     targets = list(lora_targets or LORA_TARGETS)
     activation_args = (micro_batch, seq_len, activation_checkpointing, lora_r, targets, lora_dropout,
-                       loss_token_fraction)
+                       loss_token_fraction, cross_entropy)
     setup = PlanSetup(
         config=config, layout=parameter_layout(config, lora_r, targets), world_size=world_size, weight_bytes=wb,
         trainable_bytes=tb, activation_bytes=act_b, moment_bytes=prec.moment_bytes,
@@ -548,7 +550,7 @@ def plan_memory(config, *, strategy: str = "single", world_size: int = 1, dtype:
         activations=activation_bytes_estimate(config, micro_batch, seq_len, act_b, activation_checkpointing,
                                               lora_r, targets, lora_dropout, loss_token_fraction,
                                               tp=tp if strategy in ("tp", "fsdp_tp") else 1,
-                                              vocab_tp=tp if vocab_parallel else 1),
+                                              vocab_tp=tp if vocab_parallel else 1, cross_entropy=cross_entropy),
         activation_args=activation_args, deepspeed_bf16=prec.deepspeed_bf16, offload_optimizer=offload_optimizer,
         pipeline_stages=stages, stage_layers=stage_layers, grad_accum=grad_accum,
         zero3_persistence_threshold=zero3_persistence_threshold, tp_size=tp, quantization=quantization,
@@ -565,7 +567,8 @@ def estimate_training_memory(config, *, weight_bytes: float | None = None, lora_
                              trainable_bytes: float | None = None, micro_batch: int = 1, seq_len: int = 1024,
                              activation_bytes: float | None = None, activation_checkpointing: bool = False,
                              optimizer: str = "adamw", lora_dropout: float = 0.05,
-                             loss_token_fraction: float = 1.0, dtype: str | None = None) -> MemoryBreakdown:
+                             loss_token_fraction: float = 1.0, dtype: str | None = None,
+                             cross_entropy: str = "chunked") -> MemoryBreakdown:
     """Bytes held by one rank training on one device: plan_memory's "single" case, with chapter 01's
     defaults (LoRA r=16, fp32 weights and adapters, LoRA dropout on).
 
@@ -578,4 +581,5 @@ def estimate_training_memory(config, *, weight_bytes: float | None = None, lora_
                        trainable_bytes=trainable_bytes, lora_r=lora_r, lora_targets=lora_targets,
                        micro_batch=micro_batch, seq_len=seq_len,
                        activation_bytes=activation_bytes, activation_checkpointing=activation_checkpointing,
-                       optimizer=optimizer, lora_dropout=lora_dropout, loss_token_fraction=loss_token_fraction)
+                       optimizer=optimizer, lora_dropout=lora_dropout, loss_token_fraction=loss_token_fraction,
+                       cross_entropy=cross_entropy)

@@ -140,18 +140,21 @@ def optimizer_groups(layout: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
 def activation_bytes_estimate(config, micro_batch: int, seq_len: int, bytes_per_value: float,
                               activation_checkpointing: bool = False, lora_r: int | None = None,
                               lora_targets=(), lora_dropout: float = 0.0, loss_token_fraction: float = 1.0,
-                              tp: int = 1, vocab_tp: int = 1) -> float:
+                              tp: int = 1, vocab_tp: int = 1, cross_entropy: str = "chunked") -> float:
     """What autograd keeps per micro-batch, from first principles for a SwiGLU decoder layer.
 
     Per token and layer: the two norm inputs and outputs (4h), q/k/v after RoPE and the attention
     output (2 q-width + 2 kv-width), and the MLP's gate, up, SiLU and product (4 ffn). Attention
     uses a fused kernel (sdpa), so no seq x seq score matrix is kept. LoRA adds, per adapted
     projection, its dropped-out input and the dropout mask (1 byte) when dropout > 0, and the
-    r-wide output of A. Plus the fp32 log-softmax of the logits, only at the positions the loss is
-    taken on (distlab.lm_loss.CausalLMWithLoss). With activation checkpointing only each layer's
-    input (h) is kept, plus one layer's worth during its recomputation. `tp`: tensor parallelism's degree;
-    the per-head and FFN-width values are each rank's slice, the hidden-width ones stay whole. `vocab_tp`: the
-    ranks the vocabulary is split over (tp's vocab_parallel): each keeps its slice of the logits."""
+    r-wide output of A. Plus what the loss keeps for its backward, only at the positions it is taken on
+    (distlab.lm_loss): with `cross_entropy="plain"` the fp32 log-softmax of the logits; chunked (the default;
+    the plain one where the vocabulary is split, `vocab_tp` > 1) the gradient of the head's input rows, and
+    under full fine-tuning the head weight's fp32 gradient, both taken in the forward. With activation
+    checkpointing only each layer's input (h) is kept, plus one layer's worth during its recomputation.
+    `tp`: tensor parallelism's degree; the per-head and FFN-width values are each rank's slice, the
+    hidden-width ones stay whole. `vocab_tp`: the ranks the vocabulary is split over (tp's vocab_parallel):
+    each keeps its slice of the logits."""
     s = model_shape(config)
     tokens = micro_batch * seq_len
     q_width, kv_width = s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
@@ -165,7 +168,10 @@ def activation_bytes_estimate(config, micro_batch: int, seq_len: int, bytes_per_
                 dropped = shapes[t][0] * (bytes_per_value + 1) if lora_dropout > 0 else 0  # input + mask
                 per_token += lora_r * bytes_per_value + dropped
     per_layer = tokens * per_token
-    logits = tokens * loss_token_fraction * math.ceil(s["vocab"] / vocab_tp) * 4
+    if cross_entropy == "plain" or vocab_tp > 1:
+        logits = tokens * loss_token_fraction * math.ceil(s["vocab"] / vocab_tp) * 4
+    else:
+        logits = tokens * loss_token_fraction * s["h"] * bytes_per_value + (0 if lora_r else s["vocab"] * s["h"] * 4)
     if activation_checkpointing:
         return s["layers"] * tokens * s["h"] * bytes_per_value + per_layer + logits
     return s["layers"] * per_layer + logits

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distlab import sharded_load
+from distlab import compat, sharded_load
 from distlab.data import SFTData, model_inputs
 from distlab.device import DeviceChoice, autocast, backend_for
+from distlab.master_weights import make_master_weight_optimizer
 from distlab.measure.meter import NULL_METER, Meter
 from distlab.models import whole_shape
 from distlab.safe_load import load_tensors
@@ -46,10 +47,16 @@ def compile_layers(model: torch.nn.Module) -> int:
 
     Compiling block by block (as torchtitan does) rather than the whole model keeps compile time
     to one block's graph, which every identical block then reuses, and leaves the loss and anything
-    that breaks a graph (document boundaries read on the host) in eager mode."""
+    that reads the host in eager mode. Each block compiles whole (`fullgraph`): its document boundaries come
+    in as a tensor of varying length (distlab.lm_loss.run_layers), never as values read on the host."""
     blocks = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if os.environ.get("DISTLAB_COMPILE_STRICT") == "1":
+        # a recompile after the first compile is an error, raised at once with its reason (the MFU ladder's
+        # compile rungs: a batch that recompiled would otherwise spend the rung's time box compiling)
+        compat.fail_on_recompile()
     for block in blocks:
-        block.compile()
+        # fullgraph: a graph break is an error, not a silent split of the block into eager pieces
+        block.compile(fullgraph=True)
     return len(blocks)
 
 
@@ -125,7 +132,8 @@ class Strategy:
     def optimizer_options(self, cfg) -> dict:
         """What the config asks of make_optimizer besides the learning rate and the decay."""
         kind = getattr(cfg, "optimizer", "adamw")
-        return {"fused": getattr(cfg, "fused_optimizer", False), **({"kind": kind} if kind != "adamw" else {})}
+        return {"fused": getattr(cfg, "fused_optimizer", False), **({"kind": kind} if kind != "adamw" else {}),
+                **({"master_weights": True} if getattr(cfg, "master_weights", False) else {})}
 
     def wrap(self, model: torch.nn.Module, optimizer, scheduler, choice: DeviceChoice, cfg):
         """What runs the training around the model: DDP's wrapper, DeepSpeed's engine, a pipeline's schedule.
@@ -136,17 +144,21 @@ class Strategy:
         return model
 
     def make_optimizer(self, model: torch.nn.Module, lr: float, weight_decay: float,
-                       fused: bool = False, kind: str = "adamw") -> torch.optim.Optimizer:
+                       fused: bool = False, kind: str = "adamw", master_weights: bool = False) -> torch.optim.Optimizer:
         """AdamW over trainable weights; no decay on vectors (norms, biases), as is standard.
 
         `fused`: one kernel updates every tensor (CUDA); the default launches a few per tensor group.
         `kind`: "adamw" (torch), "adamw_8bit" or "paged_adamw_8bit" (bitsandbytes: blockwise 8-bit moments;
-        paged state lives in CUDA unified memory, and on a CPU is ordinary host memory)."""
+        paged state lives in CUDA unified memory, and on a CPU is ordinary host memory).
+        `master_weights`: bf16 weights, AdamW stepping fp32 copies of them (distlab.master_weights)."""
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if len(whole_shape(p)) >= 2]  # whole_shape: ZeRO-3 partitions at load
         no_decay = [p for p in params if len(whole_shape(p)) < 2]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        if master_weights:
+            return make_master_weight_optimizer(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                                                **({"fused": True} if fused else {}))
         if kind != "adamw":
             import bitsandbytes as bnb  # deferred: only the 8-bit optimizers need it
 
@@ -156,36 +168,40 @@ class Strategy:
 
     # --- one optimizer step
     def train_step(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice, global_label_tokens: int,
-                   optimizer, scheduler, max_grad_norm: float) -> tuple[float, float]:
-        """One whole optimizer step: (this rank's share of the step loss, gradient norm before clipping)."""
+                   optimizer, scheduler, max_grad_norm: float) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """One whole optimizer step: (this rank's share of the step loss, gradient norm before clipping).
+
+        Both stay where they were computed (tensors on the device, for the strategies here): the loop reads
+        them on the host at logging steps only, so a step never waits for the device to catch up."""
         local_loss = self.forward_backward(model, micro_batches, choice, global_label_tokens)
         return local_loss, self.optimizer_step(model, optimizer, scheduler, max_grad_norm)
 
     def forward_backward(self, model, micro_batches: list[dict[str, Any]], choice: DeviceChoice,
-                         global_label_tokens: int) -> float:
-        """All micro-steps of one optimizer step; returns this rank's share of the step loss.
+                         global_label_tokens: int) -> torch.Tensor:
+        """All micro-steps of one optimizer step; returns this rank's share of the step loss (on the device).
 
         Each micro-batch's summed loss is divided by the global label-token count, then multiplied
         by the data-parallel size because gradient sync averages over ranks. The model is a
         distlab.models.CausalLMWithLoss (possibly wrapped): its forward returns the summed loss."""
         scale = self.data_parallel_size / global_label_tokens
-        local = 0.0
+        local = torch.zeros((), dtype=torch.float64, device=choice.device)
         for i, batch in enumerate(micro_batches):
             with self.sync_context(model, sync=(i == len(micro_batches) - 1)):
                 with self.forward_context(choice):
                     loss_sum = model(**model_inputs(batch, choice.device))
                 (loss_sum * scale).backward()
-            local += loss_sum.item() / global_label_tokens
+            local += loss_sum.detach().double() / global_label_tokens  # summed on the device: no read per micro-step
         return local
 
     def sync_context(self, model: torch.nn.Module, sync: bool):
         """Context for one micro-step; `sync=False` lets data parallelism skip the gradient sync."""
         return contextlib.nullcontext()
 
-    def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> float:
-        """Clip to the global gradient norm, step, schedule, zero the grads; return the norm before clipping."""
+    def optimizer_step(self, model, optimizer, scheduler, max_grad_norm: float) -> torch.Tensor | float:
+        """Clip to the global gradient norm, step, schedule, zero the grads; return the norm before clipping
+        (a tensor on the device: clipping scales by it there, and nothing here reads it)."""
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+        grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()  # a DTensor under FSDP2
         optimizer.step()
         self.meter.state_point(model, optimizer)  # gradients and AdamW moments both exist here
         scheduler.step()

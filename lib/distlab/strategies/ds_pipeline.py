@@ -90,21 +90,23 @@ class NormPipe(nn.Module):
 
 
 class HeadLossPipe(nn.Module):
-    def __init__(self, head: nn.Module):
+    def __init__(self, head: nn.Module, chunked: bool = True):
         super().__init__()
-        self.head = head
+        self.head, self.chunked = head, chunked
 
     def forward(self, inputs):
         hidden, _, labels, *_ = inputs
-        return label_loss_sum(hidden, labels, self.head)
+        return label_loss_sum(hidden, labels, self.head, chunked=self.chunked)
 
 
 def _tied_head_loss(module: EmbedPipe, inputs):
+    """The tied head's loss: the embedding's weight through F.linear, so the plain cross entropy (a callable
+    head: label_loss_sum chunks a linear module's only)."""
     hidden, _, labels, *_ = inputs
     return label_loss_sum(hidden, labels, lambda h: F.linear(h, module.embed.weight))
 
 
-def layer_specs(causal, train_tied: bool) -> list:
+def layer_specs(causal, train_tied: bool, chunked: bool = True) -> list:
     """DeepSpeed's layer list: embedding, one spec per decoder layer, final norm, head + loss."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec  # deferred: DeepSpeed is optional
 
@@ -116,7 +118,8 @@ def layer_specs(causal, train_tied: bool) -> list:
     specs += [LayerSpec(DecoderLayerPipe, layer, kinds[i], masks) for i, layer in enumerate(decoder.layers)]
     specs.append(LayerSpec(NormPipe, decoder.norm))
     specs.append(TiedLayerSpec("embed", EmbedPipe, decoder.embed_tokens, forward_fn=_tied_head_loss,
-                               tied_weight_attr=["embed.weight"]) if train_tied else LayerSpec(HeadLossPipe, head))
+                               tied_weight_attr=["embed.weight"]) if train_tied
+                 else LayerSpec(HeadLossPipe, head, chunked))
     return specs
 
 
@@ -149,7 +152,8 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
 
         causal = model.causal_lm
         train_tied = is_tied(causal) and not cfg.lora
-        specs = layer_specs(causal, train_tied)  # before the other stages' parts are dropped
+        # before the other stages' parts are dropped
+        specs = layer_specs(causal, train_tied, cfg.cross_entropy == "chunked")
         wrapped = self.place_stage(model, choice, cfg)  # the same modules as the specs, for evaluation
         parts = spec_boundaries(wrapped.ranges, len(specs))
         with torch.no_grad():  # DeepSpeed broadcasts tied weights in place while building: keep autograd out

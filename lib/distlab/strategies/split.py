@@ -88,8 +88,9 @@ class StageModule(nn.Module):
     the previous stage's hidden states elsewhere. Non-last stages return hidden states; the last
     returns the summed cross entropy over label positions (a 0-dim fp32 tensor)."""
 
-    def __init__(self, causal, layer_ids: range, first: bool, last: bool):
+    def __init__(self, causal, layer_ids: range, first: bool, last: bool, chunked: bool = True):
         super().__init__()
+        self.chunked = chunked  # the loss's cross entropy a slice of rows at a time (TrainConfig.cross_entropy)
         decoder, head = decoder_parts(causal)
         self.config = causal.config
         self.layer_ids = list(layer_ids)
@@ -111,7 +112,7 @@ class StageModule(nn.Module):
             hidden = run_layer(layer, hidden, kind, masks, position_embeddings, position_ids)
         if not self.last:
             return hidden
-        return label_loss_sum(self.norm(hidden), labels, self.head)
+        return label_loss_sum(self.norm(hidden), labels, self.head, chunked=self.chunked)
 
 
 class NotOnThisStage(nn.Module):

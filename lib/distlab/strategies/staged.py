@@ -109,7 +109,8 @@ class StagedStrategy(DistributedStrategy):
         total = self.num_stages * self.virtual
         ranges = split_layers(causal.config.num_hidden_layers, total, cfg.stage_layers)
         self.chunk_stages = [self.stage_index + k * self.num_stages for k in range(self.virtual)]
-        self.chunks = [StageModule(causal, ranges[vs], vs == 0, vs == total - 1) for vs in self.chunk_stages]
+        self.chunks = [StageModule(causal, ranges[vs], vs == 0, vs == total - 1, cfg.cross_entropy == "chunked")
+                       for vs in self.chunk_stages]
         mine = [i for vs in self.chunk_stages for i in ranges[vs]]
         drop_other_stages(causal, mine, self.is_first, self.is_last, self.stage_index)
         stage = self.chunks[0] if self.virtual == 1 else RankChunks(self.chunks)

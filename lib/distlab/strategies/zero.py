@@ -119,9 +119,9 @@ class ZeroStrategy(DistributedStrategy):
         return super().forward_context(choice)
 
     def train_step(self, model, micro_batches, choice: DeviceChoice, global_label_tokens: int,
-                   optimizer, scheduler, max_grad_norm: float) -> tuple[float, float]:
+                   optimizer, scheduler, max_grad_norm: float) -> tuple[torch.Tensor, float]:
         scale = self.data_parallel_size / global_label_tokens
-        local = 0.0
+        local = torch.zeros((), dtype=torch.float64, device=choice.device)  # read at logging steps only
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             with self.forward_context(choice):
@@ -129,7 +129,7 @@ class ZeroStrategy(DistributedStrategy):
             model.backward(loss_sum * scale, scale_wrt_gas=False)
             if i < last:
                 model.step()  # not the boundary: DeepSpeed only counts the micro-step
-            local += loss_sum.item() / global_label_tokens
+            local += loss_sum.detach().double() / global_label_tokens
         if not model.is_gradient_accumulation_boundary():
             raise RuntimeError("DeepSpeed's micro-step counter is out of step with distlab's accumulation "
                                f"(gradient_accumulation_steps={model.gradient_accumulation_steps()})")
