@@ -61,6 +61,36 @@ def tiny_model():
     return model
 
 
+@pytest.fixture(scope="session")
+def random_tiny_dir():
+    """A seeded random-weight checkpoint of the tiny shape, written once ("test-tiny"): the pipeline-inference
+    tests' model, in-process (tests/unit) and launched (tests/launches)."""
+    from distlab.inference.stage_weights import random_checkpoint
+
+    return random_checkpoint("test-tiny")
+
+
+@pytest.fixture(scope="session")
+def random_tiny_tokenizer(random_tiny_dir):
+    from distlab.models import load_tokenizer
+
+    return load_tokenizer(random_tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def checkpointed_run(tmp_path_factory):
+    """A finished 3-step run of tiny_lora.yaml, its checkpoint after step 2 (the safe-load tests of both tiers);
+    tests copy it before changing it."""
+    from distlab import checkpoint
+    from distlab.train import main
+    from helpers import checkpointed_run_argv
+
+    out = tmp_path_factory.mktemp("safe_load") / "run"
+    assert main(checkpointed_run_argv(out)) == 0
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000002"]
+    return out
+
+
 # ---------------------------------------------------------------------- the emulated LAN (chapter 05)
 
 @pytest.fixture

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from distlab.inference.batches import read_prompts
-from distlab.inference.stage_weights import random_checkpoint
 from distlab.launch import process
-from distlab.models import load_model, load_tokenizer
+from distlab.models import load_model
 from distlab.paths import DEMO_PROMPTS
 from helpers import generate_reference
 
@@ -24,14 +23,6 @@ NEW_TOKENS = 6
 SIZES = (1, 2, 4)
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    return random_checkpoint("test-tiny")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return load_tokenizer(model_dir)
 
 
 def launch(nproc: int, out_dir: Path, *args: str):
@@ -45,13 +36,13 @@ def completions(path: Path) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_pipelined_greedy_is_token_identical(model_dir, tokenizer, tmp_path, stages):
-    model = load_model(model_dir).eval()
-    launch(stages, tmp_path, "--model", str(model_dir), "--batch-size", ",".join(map(str, SIZES)))
+def test_pipelined_greedy_is_token_identical(random_tiny_dir, random_tiny_tokenizer, tmp_path, stages):
+    model = load_model(random_tiny_dir).eval()
+    launch(stages, tmp_path, "--model", str(random_tiny_dir), "--batch-size", ",".join(map(str, SIZES)))
     prompts = read_prompts(DEMO_PROMPTS)
     for size in SIZES:
         got = completions(tmp_path / f"b{size}" / "completions.jsonl")
-        want = generate_reference(model, tokenizer, size, NEW_TOKENS)
+        want = generate_reference(model, random_tiny_tokenizer, size, NEW_TOKENS)
         assert set(got) == {pid for pid, _ in prompts}
         mismatched = [pid for pid in want if got[pid] != want[pid]]
         assert not mismatched, f"{stages} stages, batch {size}: tokens differ on {mismatched}"
@@ -65,18 +56,19 @@ def test_pipelined_greedy_is_token_identical(model_dir, tokenizer, tmp_path, sta
     assert not [p for p in psutil.Process().children(recursive=True) if p.is_running()]
 
 
-def test_lora_adapter_merged_per_stage(model_dir, tokenizer, tmp_path):
+def test_lora_adapter_merged_per_stage(random_tiny_dir, random_tiny_tokenizer, tmp_path):
     from peft import LoraConfig, get_peft_model  # deferred: only this test needs peft
 
     torch.manual_seed(0)
-    peft_model = get_peft_model(load_model(model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
-                                                                                                  "down_proj"]))
+    adapter = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_model = get_peft_model(load_model(random_tiny_dir), adapter)
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.2)  # a fresh adapter is a no-op: make it change the answers
     peft_model.save_pretrained(tmp_path / "adapter")
     merged = peft_model.merge_and_unload().eval()
-    launch(2, tmp_path / "run", "--model", str(model_dir), "--adapter", str(tmp_path / "adapter"), "--batch-size", "4")
+    launch(2, tmp_path / "run", "--model", str(random_tiny_dir), "--adapter", str(tmp_path / "adapter"),
+           "--batch-size", "4")
     got = completions(tmp_path / "run" / "completions.jsonl")
-    assert got == generate_reference(merged, tokenizer, 4, NEW_TOKENS)
-    assert got != generate_reference(load_model(model_dir).eval(), tokenizer, 4, NEW_TOKENS)
+    assert got == generate_reference(merged, random_tiny_tokenizer, 4, NEW_TOKENS)
+    assert got != generate_reference(load_model(random_tiny_dir).eval(), random_tiny_tokenizer, 4, NEW_TOKENS)

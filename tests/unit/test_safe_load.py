@@ -14,21 +14,11 @@ import torch
 
 from distlab import checkpoint
 from distlab.safe_load import check_dcp, check_deepspeed, load_tensors
-from distlab.train import main
-from helpers import RunsCommand, checkpointed_run_argv, craft
+from helpers import RunsCommand, craft
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 3-step run of tiny_lora.yaml, its checkpoint after step 2; tests copy it before changing it."""
-    out = tmp_path_factory.mktemp("safe_load") / "run"
-    assert main(checkpointed_run_argv(out)) == 0
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000002"]
-    return out
-
-
-def test_a_runs_own_checkpoint_files_read_as_tensors_and_plain_data(finished):
-    ckpt = checkpoint.latest(finished)
+def test_a_runs_own_checkpoint_files_read_as_tensors_and_plain_data(checkpointed_run):
+    ckpt = checkpoint.latest(checkpointed_run)
     for name in ("trainer.pt", "rng_rank0.pt", "training_state.pt"):
         # our own files, so unrestricted loading is safe here: the restricted read must give the same values
         assert _same(load_tensors(ckpt / name), torch.load(ckpt / name, weights_only=False)), name
