@@ -141,3 +141,41 @@ def notebook_scripts(notebook: Path, folder: Path) -> dict[str, str]:
             (folder / m.group(1)).write_text(src[m.end():])
             written[m.group(1)] = str(folder / m.group(1))
     return written
+
+
+# ---------------------------------------------------------------------- exported models
+
+def exported_model(folder: Path, lora: bool):
+    """A run's `model/` export loaded as a user would (PEFT over the default base, or from_pretrained), wrapped
+    in the loss the trainer computes, in eval mode."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from distlab.lm_loss import CausalLMWithLoss
+    from distlab.models import load_model
+
+    model = PeftModel.from_pretrained(load_model(None), folder) if lora else \
+        AutoModelForCausalLM.from_pretrained(folder)
+    return CausalLMWithLoss(model).eval()
+
+
+def held_out_loss(model, data, data_parallel_size: int = 1, batch_size: int = 8) -> float:
+    """The token-weighted mean loss over `data`, batched exactly as Strategy.evaluate batches it on each of
+    `data_parallel_size` ranks (rank r takes rows r, r + size, ...), so it equals a run's logged eval loss to
+    rounding when `model` is that run's model. Why compare that, not weights: where a gradient is near zero,
+    AdamW's step is lr * g / (|g| + eps), so a rounding-level difference in g (two strategies add in different
+    orders) moves a few elements by up to a whole step either way; the exported model is checked against its
+    own run exactly, and against another strategy's by loss."""
+    import torch
+
+    from distlab.data import model_inputs
+
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for rank in range(data_parallel_size):
+            rows = list(range(rank, len(data), data_parallel_size))
+            for i in range(0, len(rows), batch_size):
+                chunk = data.batch(rows[i:i + batch_size])
+                loss_sum += float(model(**model_inputs(chunk, torch.device("cpu"))))
+                tokens += chunk["n_label_tokens"]
+    return loss_sum / tokens
