@@ -41,14 +41,19 @@ VARLEN = "distlab_varlen"  # the name registered with transformers
 ALIASES = {"varlen": VARLEN}  # what TrainConfig.attn_implementation may say
 
 
-def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the (start, end) of each run of consecutive positions: a new document starts
-    wherever a position is not the previous one plus one."""
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """True where a packed document starts (rows x width): wherever a position is not the previous one plus
+    one, and at the start of every row (a padding token restarts its own document)."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) of each run of consecutive positions (document_starts)."""
     width = position_ids.shape[1]
     spans = []
-    for row in starts.cpu().tolist():
+    for row in document_starts(position_ids).cpu().tolist():
         cuts = [i for i, s in enumerate(row) if s] + [width]
         spans.append(list(zip(cuts[:-1], cuts[1:])))
     return spans
@@ -89,10 +94,9 @@ def document_attention(query, key, value, cu_seqlens: torch.Tensor, max_seqlen: 
     batch x seq; `max_seqlen` bounds a document's length. (batch, heads, seq, dim) in, (batch, seq,
     heads, dim) out. Reads nothing back to the host: the kernel takes the boundaries as they are."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.is_cuda and _varlen_attn is not None:
-        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
-        if half in (torch.float16, torch.bfloat16):  # flash kernels take 16-bit operands only
-            return _flash_documents(query.to(half), key.to(half), value.to(half), cu_seqlens, max_seqlen, scale)
+    half = _flash_dtype(query)
+    if half is not None:
+        return _flash_documents(query.to(half), key.to(half), value.to(half), cu_seqlens, max_seqlen, scale)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
@@ -105,6 +109,17 @@ def document_attention(query, key, value, cu_seqlens: torch.Tensor, max_seqlen: 
         return out.to(out_dtype).transpose(1, 2).contiguous()
     out, _ = torch.ops.distlab.document_attention(query, key, value, cu_seqlens, scale)
     return out.transpose(1, 2).contiguous()
+
+
+def _flash_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype flash-attention's varlen kernel runs `query` in, or None where it cannot: off CUDA,
+    without the kernel (PyTorch < 2.10), or in fp32 (flash kernels take 16-bit operands only). Under autocast
+    the rotary embedding hands over fp32 queries (fp32 cos/sin times bf16 projections): they run in the
+    autocast dtype, as SDPA, which autocast lists, would cast them itself."""
+    if not query.is_cuda or _varlen_attn is None:
+        return None
+    half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+    return half if half in (torch.float16, torch.bfloat16) else None
 
 
 def _flash_documents(query, key, value, cu_seqlens, max_seqlen: int, scale: float):
@@ -201,13 +216,9 @@ _document_attention_op.register_autograd(_backward, setup_context=_setup_context
 
 def _varlen(query, key, value, position_ids, dropout_p: float, scaling):
     spans = _spans_for(position_ids, query.shape[0])
-    if query.is_cuda and dropout_p == 0.0 and _flash_varlen:
-        # Flash kernels take 16-bit operands only. Under autocast the rotary embedding hands us fp32 queries
-        # (fp32 cos/sin times bf16 projections); SDPA would cast them down itself, as autocast lists it.
-        half = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
-        if half in (torch.float16, torch.bfloat16):
-            out, _ = _flash_varlen(query.to(half), key.to(half), value.to(half), spans, scaling)
-            return out, None
+    half = _flash_dtype(query) if dropout_p == 0.0 else None
+    if half is not None:
+        return _flash_varlen(query.to(half), key.to(half), value.to(half), spans, scaling)
     if key.shape[1] != query.shape[1]:  # grouped-query attention: each key/value head serves several query heads
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
@@ -248,7 +259,7 @@ def _spans_for(position_ids: torch.Tensor, rows: int) -> list[list[tuple[int, in
     return spans * rows if len(spans) == 1 and rows > 1 else spans
 
 
-def _flash_varlen_call(query, key, value, spans, scaling):
+def _flash_varlen(query, key, value, spans, scaling):
     """All documents of the micro-batch in one flash-attention varlen call, boundaries read from `spans`."""
     batch, _, seq, dim = query.shape
     starts = [b * seq + s for b, row in enumerate(spans) for s, _ in row] + [batch * seq]
@@ -256,8 +267,6 @@ def _flash_varlen_call(query, key, value, spans, scaling):
     cu_seq = torch.tensor(starts, dtype=torch.int32).to(query.device, non_blocking=True)
     return _flash_documents(query, key, value, cu_seq, longest, scaling if scaling is not None else dim ** -0.5), None
 
-
-_flash_varlen = _flash_varlen_call if _varlen_attn is not None else None
 
 
 def register() -> None:

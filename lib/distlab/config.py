@@ -51,6 +51,7 @@ class TrainConfig:
     seq_len: int = 256
     packing: bool = True
     overlong: str = "truncate"  # truncate | reject | error
+    labels: str = "replies"  # the tokens the loss is taken on: replies (the assistant's) | all (pretraining-style)
     # what is trained
     lora: bool = True  # False: full fine-tuning
     lora_r: int = 16
@@ -365,6 +366,7 @@ RULES = {
     "attn_implementation": _one_of("varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3",
                                    "flex_attention"),
     "seq_len": _at_least(1), "overlong": _one_of("truncate", "reject", "error"),
+    "labels": _one_of("replies", "all"),
     "lora_r": _at_least(1), "lora_alpha": _positive(), "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "lora_targets": (lambda v: len(v) > 0, "a non-empty list of module names"),
     "quantization": _one_of("none", "nf4", "int8"), "quant_compute_dtype": _one_of("auto", "fp32", "bf16", "fp16"),

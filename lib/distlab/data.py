@@ -7,8 +7,9 @@ when there, is a list of non-empty strings, distlab.keyfacts):
   {"messages": [{"role": "system" | "user" | "assistant", "content": ...}, ...]}
 
 Every row becomes a list of chat messages, rendered with the tokenizer's chat template. The loss
-is taken only on assistant tokens (everything else is -100). Bad input raises DataError naming
-the file, the line and the field; nothing is dropped without being counted in the summary.
+is taken only on assistant tokens (everything else is -100), or with labels="all" on every token, prompts
+and template markup included, as in pretraining (the MFU ladder's pretraining-shaped row). Bad input raises
+DataError naming the file, the line and the field; nothing is dropped without being counted in the summary.
 Prompt files (generation, pipeline inference, key-fact scores) are read by `load_prompts` alone.
 """
 
@@ -24,6 +25,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from distlab import keyfacts
+from distlab.attention import document_starts
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
@@ -34,6 +36,7 @@ FORMATS = {
 }
 METADATA_KEYS = frozenset({"id", "category", "source", "meta", "facts"})  # facts: distlab.keyfacts
 OVERLONG_POLICIES = ("truncate", "reject", "error")
+LABEL_POLICIES = ("replies", "all")  # which tokens the loss is taken on: the assistant's, or every one
 MAX_ERRORS_SHOWN = 20
 
 
@@ -269,16 +272,21 @@ def _assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tu
     return full, spans
 
 
-def encode_conversation(tokenizer, conv: Conversation) -> Example:
+def encode_conversation(tokenizer, conv: Conversation, labels: str = "replies") -> Example:
+    """Token ids and their labels: the assistant's tokens (`labels="replies"`), or every token ("all"; the
+    first is never a target: nothing precedes it)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template")
     text, spans = _assistant_char_spans(tokenizer, conv.messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = []
-    for tok, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"]):
+    ids = list(enc["input_ids"])
+    if labels == "all":
+        return Example(ids, [IGNORE_INDEX] + ids[1:], conv.where)
+    targets = []
+    for tok, (start, _end) in zip(ids, enc["offset_mapping"]):
         inside = any(s <= start < e for s, e in spans)
-        labels.append(tok if inside else IGNORE_INDEX)
-    return Example(list(enc["input_ids"]), labels, conv.where)
+        targets.append(tok if inside else IGNORE_INDEX)
+    return Example(ids, targets, conv.where)
 
 
 def explain_example(tokenizer, conv: Conversation, learned: str = "\u2588") -> str:
@@ -293,18 +301,21 @@ def explain_example(tokenizer, conv: Conversation, learned: str = "\u2588") -> s
     return "".join(out) + (learned if inside else "")
 
 
-def tokenize_conversations(convs: Iterable[Conversation], tokenizer, seq_len: int,
-                           overlong: str = "truncate") -> tuple[list[Example], LoadSummary]:
-    """Encode, then apply the explicit policy to rows longer than seq_len (and count them)."""
+def tokenize_conversations(convs: Iterable[Conversation], tokenizer, seq_len: int, overlong: str = "truncate",
+                           labels: str = "replies") -> tuple[list[Example], LoadSummary]:
+    """Encode (`labels`: encode_conversation), then apply the explicit policy to rows longer than seq_len (and
+    count them)."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong={overlong!r}: expected one of {', '.join(OVERLONG_POLICIES)}")
+    if labels not in LABEL_POLICIES:
+        raise ValueError(f"labels={labels!r}: expected one of {', '.join(LABEL_POLICIES)}")
     convs = list(convs)
     summary = LoadSummary(", ".join(sorted({c.path for c in convs})))
     summary.rows = len(convs)
     summary.by_format = Counter(c.format for c in convs)
     examples = []
     for conv in convs:
-        ex = encode_conversation(tokenizer, conv)
+        ex = encode_conversation(tokenizer, conv, labels)
         if len(ex.input_ids) > seq_len:
             if overlong == "error":
                 raise DataError(conv.path, conv.line, "messages",
@@ -409,11 +420,9 @@ def document_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
     host where the rows are, so no step reads them back from a device: `cu_seq_lens_q` holds every start
     with the rows laid end to end, then rows x width (int32, flash-attention's convention); `max_length_q`
     is the row width, a bound that is the same for every batch (a compiled block never sees a new one).
-    A document starts wherever a position is not the previous one plus one (padding restarts its own)."""
+    Where documents start: distlab.attention.document_starts."""
     rows, width = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    flat = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * width])])
+    flat = torch.cat([document_starts(position_ids).flatten().nonzero().flatten(), torch.tensor([rows * width])])
     return {"cu_seq_lens_q": flat.to(torch.int32), "max_length_q": width}
 
 
@@ -482,12 +491,12 @@ class SFTData:
 
 
 def build_sft_data(paths: str | Path | Sequence[str | Path], tokenizer, seq_len: int,
-                   packing: bool = True, overlong: str = "truncate") -> SFTData:
+                   packing: bool = True, overlong: str = "truncate", labels: str = "replies") -> SFTData:
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     convs: list[Conversation] = []
     for p in paths:
         convs.extend(load_jsonl(p))
-    examples, summary = tokenize_conversations(convs, tokenizer, seq_len, overlong)
+    examples, summary = tokenize_conversations(convs, tokenizer, seq_len, overlong, labels)
     items = pack_examples(examples, seq_len) if packing else single_examples(examples)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return SFTData(items, packing, seq_len, pad_id, summary)

@@ -127,10 +127,11 @@ def chunked_cross_entropy_sum(rows: torch.Tensor, weight: torch.Tensor, targets:
     """sum over rows of cross_entropy(rows @ weight.T, targets), a slice of rows at a time (fp32 logits)."""
     if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
         return _ChunkedHeadLoss.apply(rows, weight, targets)
+    step = _chunk_rows(weight)
     total = rows.new_zeros((), dtype=torch.float32)
-    for start in range(0, rows.shape[0], _chunk_rows(weight)):
-        logits = F.linear(rows[start:start + _chunk_rows(weight)], weight).float()
-        total = total + F.cross_entropy(logits, targets[start:start + _chunk_rows(weight)], reduction="sum")
+    for start in range(0, rows.shape[0], step):
+        logits = F.linear(rows[start:start + step], weight).float()
+        total = total + F.cross_entropy(logits, targets[start:start + step], reduction="sum")
     return total
 
 

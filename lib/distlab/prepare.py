@@ -47,8 +47,8 @@ def prepare_run(cfg: TrainConfig, strategy):
     quantise, checkpoint, LoRA, loss module."""
     choice = choose_device(cfg.device, cfg.dtype, strategy.local_rank)
     tokenizer = load_tokenizer(cfg.model)
-    train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
-    eval_data = (build_sft_data(cfg.eval_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong)
+    train_data = build_sft_data(cfg.train_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong, cfg.labels)
+    eval_data = (build_sft_data(cfg.eval_file, tokenizer, cfg.seq_len, cfg.packing, cfg.overlong, cfg.labels)
                  if cfg.eval_file else None)
     seed_everything(cfg.seed)  # the same initial LoRA weights on every rank and every world size
     compute = choice.dtype if cfg.quant_compute_dtype == "auto" else QUANT_DTYPES[cfg.quant_compute_dtype]

@@ -33,7 +33,7 @@ def test_the_session_scripts_ladder_step_runs_on_a_cpu_and_brings_back_each_rung
         names = {n.removeprefix("./") for n in tar.getnames()}
         table = pd.read_csv(io.BytesIO(tar.extractfile("./mfu_ladder.csv").read()), keep_default_na=False)
         log = tar.extractfile("./mfu_ladder.log").read().decode()
-    assert {"mfu_ladder.log", "mfu_ladder.csv", "mfu_ladder.csv.provenance.json", "every_token.jsonl"} <= names
+    assert {"mfu_ladder.log", "mfu_ladder.csv", "mfu_ladder.csv.provenance.json", "long_documents.jsonl"} <= names
     for rung in (3, 4):
         assert {f"rung{rung}/stdout.log", f"rung{rung}/train_log.jsonl"} <= names
     assert list(table["rung"]) == [3, 4] and (table["error"] == "").all(), table["error"].tolist()

@@ -187,13 +187,12 @@ def test_keyfact_table_puts_before_and_after_side_by_side():
 def test_benchmark_tables_are_fresh_until_the_library_changes(tmp_path):
     import json
 
-    from distlab.bench.trainer_vs_hf import benchmark_provenance
     from distlab.publish import freshness
 
-    arguments = {"steps": 40, "rounds": 2}
-    side = {"commit": "abc1234", "device": "cpu", **benchmark_provenance(arguments)}
-    assert side["inputs"] == freshness.benchmark_inputs("distlab.bench.trainer_vs_hf", arguments)
-    assert side["inputs"] != freshness.benchmark_inputs("distlab.bench.trainer_vs_hf", {"steps": 8, "rounds": 2})
+    module, arguments = "distlab.bench.trainer_vs_hf", {"steps": 40, "rounds": 2}
+    side = {"commit": "abc1234", "device": "cpu", **freshness.benchmark_provenance(module, arguments)}
+    assert side["inputs"] == freshness.benchmark_inputs(module, arguments)
+    assert side["inputs"] != freshness.benchmark_inputs(module, {"steps": 8, "rounds": 2})
     table = tmp_path / "bench_trainer_vs_hf.csv"
     table.write_text("framework,tokens_per_s\ndistlab,1\n")
     sidecar = table.with_name(table.name + ".provenance.json")

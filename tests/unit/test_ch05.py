@@ -90,10 +90,10 @@ def test_the_drawing_of_the_two_splits(tmp_path):
 
 def test_the_fallback_says_why_and_what_it_loses():
     local = host_runs.place(2, force_local=True)
-    line = ch05.mode(local)
+    line = local.mode_line()
     assert line.startswith("mode: FALLBACK to localhost, because asked for localhost")
     assert "not shaped" in line and "skipped" in line and "once on loopback" in line
-    assert "skipped" not in ch05.mode(local, demos=False)  # chapter 08: no failure demos to skip
+    assert "skipped" not in local.mode_line(demos=False)  # chapter 08: no failure demos to skip
     table = ch05.prerequisites(EXAMPLES["the book's build VM, 2 cores, root"]).set_index("prerequisite")
     assert {"needed for", "present here"} == set(table.columns) and len(table) == 5
     assert table["present here"][["Linux", "root (CAP_NET_ADMIN)", "`ip` and `tc` (iproute2)"]].all()

@@ -49,6 +49,7 @@ CONFIG_CASES = [
     ("lora_dropout=1", "lora_dropout=1 is not accepted: expected a number in [0, 1)"),
     ("device=gpu", "expected auto, cpu, cuda or cuda:N"),
     ("packing=maybe", "expected true or false"),
+    ("labels=prompts", "expected one of replies, all"),
     ("lr=nan", "expected a number > 0"),
     ("weight_decay=inf", "weight_decay='inf' is not accepted"),
     ("max_grad_norm=-.inf", "max_grad_norm=-inf is not accepted"),

@@ -15,7 +15,7 @@ def _packed_position_ids(lengths_per_row: list[list[int]]) -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row])
 
 
-@pytest.mark.skipif(attention._flash_varlen is None, reason="this PyTorch has no torch.nn.attention.varlen")
+@pytest.mark.skipif(attention._varlen_attn is None, reason="this PyTorch has no torch.nn.attention.varlen")
 def test_flash_varlen_equals_document_by_document_sdpa_forward_and_backward():
     """The CUDA path (one flash varlen call for the micro-batch) against the SDPA loop in float64 on the CPU."""
     gen = torch.Generator().manual_seed(0)

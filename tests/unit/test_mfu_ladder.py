@@ -26,6 +26,7 @@ def test_fused_optimizer_is_one_fused_adamw_and_the_default_is_not():
     assert not Strategy().make_optimizer(model, 1e-3, 0.01).defaults["fused"]
 
 
+@pytest.mark.slow  # torch.compile of the blocks: 3-5 s on two busy cores
 def test_compile_layers_compiles_every_decoder_block_and_nothing_else():
     model = load_model(None)
     blocks = model.config.num_hidden_layers
@@ -165,13 +166,16 @@ def test_rungs_past_the_budget_are_skipped_with_a_row_saying_so(tmp_path, monkey
                                         r"60-s budget").all(), table["error"].tolist()
 
 
-def test_the_every_token_rows_are_labelled_but_for_their_prompt(tmp_path, tokenizer):
+def test_the_long_documents_fill_their_rows_and_labels_all_takes_every_token_as_a_target(tmp_path, tokenizer):
     from distlab.data import build_sft_data
 
-    path = mfu_ladder.every_token_file(tmp_path / "rows.jsonl", 256)
-    data = build_sft_data(path, tokenizer, 256)
-    assert len(data) == 32 and data.fill == 1.0  # each row one document filling its 256 tokens
-    assert data.label_tokens / data.real_tokens > 0.94  # all but the ~14 tokens of the rendered prompt
+    path = mfu_ladder.long_documents_file(tmp_path / "rows.jsonl", 256)
+    replies = build_sft_data(path, tokenizer, 256)
+    every = build_sft_data(path, tokenizer, 256, labels="all")
+    assert len(every) == 32 and every.fill == 1.0  # each row one document filling its 256 tokens
+    assert every.label_tokens == every.real_tokens - 32  # every token but each row's first (nothing precedes it)
+    assert replies.label_tokens < every.label_tokens  # the prompt and the template's markup are targets too
+    assert mfu_ladder.rung_settings(None, "cpu", "fp32", 64, 3, 0, str(path), "all")["labels"] == "all"
 
 
 def test_the_d20_preset_is_nanochat_d20s_shape_at_its_parameter_count():

@@ -215,13 +215,6 @@ def summary(df: pd.DataFrame, rounds: int, training: str = "lora") -> str:
             f"the loss check's no-grad graph {check_s:.1f} s)")
 
 
-def benchmark_provenance(arguments: dict) -> dict:
-    """The sidecar fields tying the table to the tree it was measured from (as distlab.bench.trainer_vs_hf's)."""
-    from distlab.publish.freshness import benchmark_inputs  # deferred: only saving the table needs the digest
-
-    return {"benchmark": MODULE, "arguments": arguments, "inputs": benchmark_inputs(MODULE, arguments)}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per round and line")
@@ -248,7 +241,10 @@ def main(argv=None) -> int:
         arguments = {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                      "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "full": args.full,
                      "warm_cache": args.warm_cache}
-        run_stamp = {**benchmark_provenance(arguments), **stamp("distlab-tiny", 1, threads_per_rank=1)}
+        from distlab.publish import freshness  # deferred: only saving the table needs the digest
+
+        run_stamp = {**freshness.benchmark_provenance(MODULE, arguments),
+                     **stamp("distlab-tiny", 1, threads_per_rank=1)}
         print(f"wrote {save_table(df.round(6), Path(args.out) / TABLE, run_stamp)}")
     return 0
 

@@ -17,9 +17,9 @@ Throughput is the median of real (non-pad) tokens per second over the steps afte
 FLOPs (PaLM's count, distlab.metrics) per second over a peak, given twice: the part's data-sheet dense peak
 (what papers quote) and the matmul peak measured here a moment before (what this card, as found, can reach).
 The LM head counts only at labelled tokens, so each row shows the labelled fraction, the row length and the
-tokens of a step beside its MFU: `--labels all` (the d20 row) labels every token but a few of each row's
-prompt, as pretraining does. A rung that fails (out of memory, a kernel this PyTorch lacks) is a row with its
-error, and the ladder goes on.
+tokens of a step beside its MFU: `--labels all` (the d20 row) trains on documents as long as a row with the
+loss on every token (TrainConfig labels="all", distlab.data), as pretraining does. A rung that fails (out of
+memory, a kernel this PyTorch lacks) is a row with its error, and the ladder goes on.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from distlab.cli import finite_float, run_main
-from distlab.data import load_jsonl
+from distlab.data import LABEL_POLICIES, load_jsonl
 from distlab.device import measure_matmul_flops, peak_flops
 from distlab.jsonio import strict_json
 from distlab.launch.process import python_module_cmd, run
@@ -48,7 +48,7 @@ from distlab.tiny_base import PRETRAIN_FILE
 CONFIG = REPO_ROOT / "lib" / "distlab" / "configs" / "tiny_lora.yaml"
 TABLE = "mfu_ladder.csv"
 STDOUT_LOG = "stdout.log"  # in each rung's folder, beside the training run's own train_log.jsonl
-EVERY_TOKEN_FILE = "every_token.jsonl"  # --labels all: the training rows, written into the output folder
+LONG_DOCUMENTS_FILE = "long_documents.jsonl"  # --labels all: the training rows, written into the output folder
 # A compiled rung: each recompile logged (with the guard that failed), and one after the warm-up an error
 # (distlab.strategies.base.compile_layers): a block that recompiles at every step would otherwise run out its
 # time box compiling, with nothing in its row to say why.
@@ -82,7 +82,8 @@ PRESET_ROWS = {
     # nanochat's d20 as it pretrains: 2,048-token rows, the loss at every token
     "d20": {"model": "nanochat-d20-random", "seq_len": 2048, "labels": "all"},
 }
-LABELS = ("replies", "all")  # the support set's assistant replies only (SFT); all tokens but each row's prompt
+LABELS = LABEL_POLICIES  # replies: the support set, the loss on assistant replies (SFT); all: long documents,
+# the loss on every token (pretraining)
 
 COLUMNS = ("rung", "change", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "model_tflops",
            "mfu_data_sheet", "mfu_measured_peak", "hfu_data_sheet", "label_fraction", "seq_len", "tokens_per_step",
@@ -90,15 +91,15 @@ COLUMNS = ("rung", "change", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_m
 
 
 def rung_settings(model: str | None, device: str, dtype: str, seq_len: int, steps: int,
-                  upto: int, train_file: str | None = None) -> dict:
+                  upto: int, train_file: str | None = None, labels: str = "replies") -> dict:
     """The TrainConfig overrides of rung `upto` (0-based): the common settings, then every change so far.
-    `train_file`: the training rows (None: TrainConfig's, the support set)."""
+    `train_file`: the training rows (None: TrainConfig's, the support set); `labels`: TrainConfig's."""
     settings = {"model": model or "null", "device": device, "dtype": dtype, "lora": False, "seq_len": seq_len,
                 "max_steps": steps, "warmup_steps": 2, "lr": 1e-4, "grad_accum": 1, "logging_steps": 1,
                 "eval_at_start": False, "eval_at_end": False, "save_model": False, "progress": False,
                 "checkpoint_steps": 0, "resume": False, "num_threads": None,
                 # the loss as every rung up to the reference measured it (TrainConfig's default is now chunked)
-                "cross_entropy": "plain"}
+                "cross_entropy": "plain", "labels": labels}
     if train_file is not None:
         settings["train_file"] = train_file
     for _, change in RUNGS[:upto + 1]:
@@ -106,11 +107,11 @@ def rung_settings(model: str | None, device: str, dtype: str, seq_len: int, step
     return settings
 
 
-def every_token_file(path: Path, seq_len: int, rows: int = 32) -> Path:
-    """Training rows labelled at (nearly) every token, written to `path`: a two-word prompt, then a reply of
-    helpdesk text (the pretraining corpus's replies end to end) longer than `seq_len` tokens, which the trainer
-    truncates to `seq_len`. TrainConfig has no setting that labels prompts too (the loss is taken on replies
-    only, distlab.data), so the reply is made to fill the row; the prompt's few tokens stay unlabelled."""
+def long_documents_file(path: Path, seq_len: int, rows: int = 32) -> Path:
+    """Training rows of one document each, as long as a pretraining corpus's and longer than `seq_len` tokens
+    (which the trainer truncates them to), written to `path`: a two-word prompt, then helpdesk text (the
+    pretraining corpus's replies end to end). Packed support rows would put several short documents in a row,
+    so attention would span a fraction of it; here it spans the whole row, as in pretraining."""
     replies = [m["content"] for conv in load_jsonl(PRETRAIN_FILE) for m in conv.messages if m["role"] == "assistant"]
     wanted = 8 * seq_len  # characters: a token of the default tokenizer is ~4.5 of them here: 1.8 times enough
     lines, at = [], 0
@@ -198,7 +199,7 @@ def ladder(model: str | None = "qwen2.5-0.5b-random", device: str = "cuda", dtyp
         raise ValueError(f"labels={labels!r}: one of {', '.join(LABELS)}")
     out_dir = Path(out_dir) if out_dir is not None else RUNS_DIR / "mfu_ladder"
     out_dir.mkdir(parents=True, exist_ok=True)
-    train_file = str(every_token_file(out_dir / EVERY_TOKEN_FILE, seq_len)) if labels == "all" else None
+    train_file = str(long_documents_file(out_dir / LONG_DOCUMENTS_FILE, seq_len)) if labels == "all" else None
     matmul_dtype = torch.bfloat16 if "bf16" in dtype else torch.float32
     measured_peak = measure_matmul_flops(device, matmul_dtype)
     sheet_peak, sheet_source = peak_flops(device, matmul_dtype)
@@ -213,7 +214,7 @@ def ladder(model: str | None = "qwen2.5-0.5b-random", device: str = "cuda", dtyp
             row["error"] = (f"skipped: its {timeout_s:g}-s box is more than the {max(left, 0):.0f} s left of the "
                             f"ladder's {budget_s:g}-s budget")
         else:
-            settings = rung_settings(model, device, dtype, seq_len, steps, i, train_file)
+            settings = rung_settings(model, device, dtype, seq_len, steps, i, train_file, labels)
             log_name = f"rung{i}/{STDOUT_LOG}"
             steps_log, start, error, recompiles = run_rung(settings, out_dir / f"rung{i}", timeout_s, log_name)
             row.update(error=error, seq_len=seq_len, log=log_name,
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16-autocast")
     parser.add_argument("--seq-len", type=int, help="tokens a row (default: the preset row's)")
     parser.add_argument("--labels", choices=LABELS, help="replies: the support set, loss on assistant replies "
-                        "only; all: rows labelled at every token but a few prompt tokens (default: the preset row's)")
+                        "only; all: documents as long as a row, loss on every token (default: the preset row's)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per rung, warm-up included")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median (compilation, caches)")
     parser.add_argument("--rungs", type=int, default=len(RUNGS), help="run only the first N rungs")

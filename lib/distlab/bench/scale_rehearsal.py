@@ -78,8 +78,8 @@ def rehearse(model: str | None = None, strategies=STRATEGIES, modes=MODES, steps
         for strategy in strategies:
             # fsdp_tp needs two tensor-parallel groups of 2: 4 ranks, 2 cores each oversubscribed (memory, not time)
             world = 1 if strategy == "single" else 4 if strategy == "fsdp_tp" else nproc
-            need = sum(planned(shape, strategy, world, mode, r, checkpoint_bytes)["step_planned"]
-                       for r in range(world))
+            plans = [planned(shape, strategy, world, mode, r, checkpoint_bytes) for r in range(world)]
+            need = sum(plan["step_planned"] for plan in plans)
             if mode == "full" and need > psutil.virtual_memory().available / 2:
                 rows.append({"strategy": strategy, "mode": mode, "rank": None, "skipped":
                              f"planned {need / 2**30:.1f} GiB for {world} ranks, over half the "
@@ -98,7 +98,7 @@ def rehearse(model: str | None = None, strategies=STRATEGIES, modes=MODES, steps
                 continue
             for rank, rec in sorted(collect_run(job.output_dir, expected_ranks=world).items()):
                 before = rec["host_before_load_bytes"]
-                plan = planned(shape, strategy, world, mode, rank, checkpoint_bytes)
+                plan = plans[rank]
                 load = rec["host_peak_at_load_bytes"] - before
                 step = rec["peak_mem_bytes"] - before
                 rows.append({"strategy": strategy, "mode": mode, "rank": rank, "path": plan["path"],

@@ -299,23 +299,16 @@ def main(argv=None) -> int:
                  "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "frameworks": args.frameworks,
                  **({"device": args.device} if args.device != "cpu" else {}),
                  **({"model": args.model} if args.model else {})}
-    run_stamp = {**benchmark_provenance(arguments), **stamp(args.model or "distlab-tiny", 1, threads_per_rank=1)}
+    from distlab.publish import freshness  # deferred: only the tables' provenance needs the digest
+
+    run_stamp = {**freshness.benchmark_provenance(MODULE, arguments),
+                 **stamp(args.model or "distlab-tiny", 1, threads_per_rank=1)}
     if args.csv:
         save_table(df, args.csv, run_stamp)
     if args.out:
         save_tables(df, Path(args.out), run_stamp, steps=args.steps, rounds=args.rounds,
                     micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
     return 0
-
-
-def benchmark_provenance(arguments: dict) -> dict:
-    """The sidecar fields that tie these tables to the tree they were measured from: this command, its
-    arguments and the digest of the library, data and locked versions (distlab.publish.freshness), so the
-    freshness check holds them to the book's rule: measured at a clean commit from the inputs in the tree."""
-    from distlab.publish.freshness import benchmark_inputs  # deferred: only saving tables needs the digest
-
-    return {"benchmark": MODULE, "arguments": arguments,
-            "inputs": benchmark_inputs(MODULE, arguments)}
 
 
 def save_tables(frameworks: pd.DataFrame, out_dir: Path, run_stamp: dict, steps: int, rounds: int,

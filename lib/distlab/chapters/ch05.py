@@ -43,19 +43,6 @@ def prerequisites(here: Machine) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prerequisite", "needed for", "present here"])
 
 
-def mode(placement: host_runs.Placement, demos: bool = True) -> str:
-    """Which mode this run is in, and what the reader loses when it is the fallback (`demos`: also this
-    chapter's failure demos and slow hosts; chapter 08 has neither)."""
-    if placement.cluster:
-        return f"mode: namespaces. {placement.describe()}"
-    line = (f"mode: FALLBACK to localhost, because {placement.why_local}.\n"
-            "  Every host is a torchrun agent on this machine talking over loopback: the links are not shaped, so "
-            "each sweep over link rates runs once on loopback, labelled so,\n  and no claim about link rates is "
-            "checked")
-    return line + ("; there are no memory caps and no per-host cables to cut (those demos are skipped and say "
-                   "so); slow hosts still come from cpu_mode='sleep'." if demos else ".")
-
-
 def cluster_section(sections: Sections, title: str, placement: host_runs.Placement, *more: str | None) -> bool:
     """Whether a section that needs the namespace cluster runs: False, with ONE printed line, when this machine
     cannot build it (distlab.machine), when building it failed here (`placement.why_local`), or for the first
@@ -314,6 +301,7 @@ def balance_figure(results: Mapping[str, Mapping[str, Any]], path: str | Path, p
         mid.text(i + 0.37, theory, f"{theory:.3f}", va="center", fontsize=8)
         mid.text(i, results[k]["ratio"] / 2, f"{results[k]['ratio']:.3f}", ha="center", fontsize=8)
     mid.set_xticks(range(len(names)), names)
+    mid.set_xlim(-0.5, len(names) - 0.1)  # room right of the last bar for its theory label
     mid.set_ylim(0, 1.1)
     mid.set_ylabel("balanced / naive step time")
     mid.set_title("theory: world x slowest speed / sum of speeds", fontsize=10)
@@ -324,7 +312,9 @@ def balance_figure(results: Mapping[str, Mapping[str, Any]], path: str | Path, p
     for i, k in enumerate(kinds):
         right.hlines(three["ideal_speedups"][k], i - 0.35, i + 0.35, color="k", lw=2)
         right.text(i, three["speedups"][k] / 2, f"{three['speedups'][k]:.2f}x", ha="center", fontsize=8)
-        right.text(i + 0.37, three["ideal_speedups"][k], f"{three['ideal_speedups'][k]:.2f}", va="center", fontsize=8)
+        right.text(i + 0.37, three["ideal_speedups"][k], f"{three['ideal_speedups'][k]:.2f}x", va="center",
+                   fontsize=8)
+    right.set_xlim(-0.5, 1.9)  # room right of the second bar for its theory label
     right.axhline(1, color="grey", ls=":", lw=1)
     right.set_xticks(range(2), ["even split", "split by speed"])
     right.set_ylabel("tokens/s over host 0 alone")

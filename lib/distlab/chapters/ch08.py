@@ -19,10 +19,9 @@ from matplotlib.patches import Rectangle
 
 from distlab import paths
 from distlab.bench import lan_ddp
-from distlab.chapters import ch05
 from distlab.inference.outputs import latency_stats, load_run, run_here
 from distlab.lan import host_runs
-from distlab.lan.hosts import LOOPBACK, bucket_bytes, burst_bytes, link_bits, link_bytes_per_s, rate_bits
+from distlab.lan.hosts import LOOPBACK, link_bits, link_bytes_per_s, link_floor_s, rate_bits
 from distlab.launch import local
 from distlab.lessons import RANK_COLORS, save_diagram
 from distlab.metrics import read_log
@@ -244,7 +243,7 @@ def link_sweep(rates: Sequence[str], steps: int = 4, rows: int = 4, seq_len: int
                            "strategy": r.overrides["strategy"],
                            "step s": median_step_s(lan_ddp.RUNS / r.name / "train_log.jsonl"),
                            "placement": placement.kind} for r in runs])
-    return table, ch05.mode(placement, demos=False)
+    return table, placement.mode_line(demos=False)
 
 
 def why_unshaped(sweep: pd.DataFrame) -> str | None:
@@ -257,10 +256,9 @@ def link_prediction(sent: Mapping[str, float], rates: Sequence[str], burst: bool
     """Seconds the link needs for each strategy's bytes per step at each rate: bytes x 8 / bits per second.
     `burst`: only for the bytes beyond one tbf bucket, which pass at once after the link was idle: no step at
     that rate can be shorter (the link floor)."""
-    def beyond(n: float, rate: str) -> float:
-        return max(0.0, n - burst_bytes(rate)) if burst else n
-    return pd.DataFrame({rate: {s: beyond(n, rate) * 8 / rate_bits(rate) for s, n in sent.items()}
-                         for rate in rates}).T
+    def seconds(n: float, rate: str) -> float:
+        return link_floor_s(n, rate_bits(rate)) if burst else n * 8 / rate_bits(rate)
+    return pd.DataFrame({rate: {s: seconds(n, rate) for s, n in sent.items()} for rate in rates}).T
 
 
 def link_table(sweep: pd.DataFrame, sent: Mapping[str, float]) -> pd.DataFrame:
@@ -295,8 +293,7 @@ def link_figure(sweep: pd.DataFrame, sent: Mapping[str, float], path: str | Path
         ax.plot(g["Gbit/s"], g["step s"], "o-", color=color, label=f"{strategy}: measured")
         ax.plot(grid, g["step s"].iloc[-1] + sent[strategy] * 8 / (grid * 1e9), "--", color=color,
                 label=f"{strategy}: predicted, fastest step + {sent[strategy] / 1e6:.1f} MB per step / rate")
-        beyond = np.maximum(0.0, sent[strategy] - np.array([bucket_bytes(b * 1e9) for b in grid]))
-        ax.plot(grid, beyond * 8 / (grid * 1e9), ":", color=color, lw=1.5,
+        ax.plot(grid, [link_floor_s(sent[strategy], b * 1e9) for b in grid], ":", color=color, lw=1.5,
                 label=f"{strategy}: link floor, the bytes beyond one tbf bucket / rate")
     ax.set_xscale("log")
     ax.set_xlabel("link rate, tc tbf on each host's link (Gbit/s)")

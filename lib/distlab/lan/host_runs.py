@@ -96,6 +96,18 @@ class Placement:
                     + ", ".join(f"{h.ns}={h.address} @ {h.rate}" for h in self.cluster.hosts) + ")")
         return f"{self.nodes} torchrun agents on localhost (FALLBACK: {self.why_local})"
 
+    def mode_line(self, demos: bool = True) -> str:
+        """Which mode this run is in, and what the reader loses when it is the fallback (`demos`: also chapter
+        05's failure demos and slow hosts; chapter 08 has neither)."""
+        if self.cluster:
+            return f"mode: namespaces. {self.describe()}"
+        line = (f"mode: FALLBACK to localhost, because {self.why_local}.\n"
+                "  Every host is a torchrun agent on this machine talking over loopback: the links are not shaped, "
+                "so each sweep over link rates runs once on loopback, labelled so,\n  and no claim about link rates "
+                "is checked")
+        return line + ("; there are no memory caps and no per-host cables to cut (those demos are skipped and say "
+                       "so); slow hosts still come from cpu_mode='sleep'." if demos else ".")
+
 
 def place(nodes: int, rates: Sequence[str] | str = "1gbit", force_local: bool = False) -> Placement:
     rates = [rates] * nodes if isinstance(rates, str) else list(rates)

@@ -89,6 +89,12 @@ def bucket_bytes(bits_per_s: float) -> int:
     return max(MIN_BURST, int(bits_per_s / 8 * BURST_S))
 
 
+def link_floor_s(nbytes: float, bits_per_s: float) -> float:
+    """The link floor: the least time a step that sends `nbytes` over a link shaped at `bits_per_s` can take,
+    the bytes beyond one bucket (which pass at once after an idle spell: burst_bytes) at the rate."""
+    return max(0.0, nbytes - bucket_bytes(bits_per_s)) * 8 / bits_per_s
+
+
 def tbf_args(rate: str) -> list[str]:
     return ["tbf", "rate", rate, "burst", str(burst_bytes(rate)), "latency", "50ms"]
 

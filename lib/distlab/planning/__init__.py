@@ -15,7 +15,7 @@ Read in this order:
   advice   the LAN-cluster guide's decision tree (`decide` -> `explain`, both in `recommend`)   ch. 03, 05
   zero_paper  the ZeRO paper's (2 + 2 + K) Psi / N_d model states next to the planner and measured
            bytes, with why they differ (`zero_paper_table`, `explain_zero_paper`)                   ch. 03
-  memory   the planner's breakdowns as tables (`breakdown_table`, `plan_table`) and each rank's
+  memory   the planner's breakdowns as tables (`breakdown_table`) and each rank's
            measured state beside the plan (`state_vs_plan`)                                   ch. 01, 03, 07
 
 What a run really holds is measured by distlab.measure.state (`measure_state`), which this package

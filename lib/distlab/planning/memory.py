@@ -1,11 +1,10 @@
 """The planner's breakdowns as tables, and measured state beside the plan: `from distlab.planning import memory`.
 
 `breakdown_table` sets breakdowns (distlab.results.schema.MemoryBreakdown: a measured step, an estimate, a plan
-per strategy) side by side, one row per component; `plan_table` does it for every strategy of one config
-(distlab.planning.plan.plan_memory); `state_vs_plan` sets the state bytes each rank measured it owns beside
-the planner's for that rank. The planner itself is distlab.planning.plan, the models' shapes
-distlab.planning.shapes, what a rank holds while loading distlab.planning.load, the LAN-cluster guide's
-advice distlab.planning.advice: import each from there.
+per strategy from distlab.planning.plan.plan_memory) side by side, one row per component; `state_vs_plan` sets
+the state bytes each rank measured it owns beside the planner's for that rank. The planner itself is
+distlab.planning.plan, the models' shapes distlab.planning.shapes, what a rank holds while loading
+distlab.planning.load, the LAN-cluster guide's advice distlab.planning.advice: import each from there.
 """
 
 from __future__ import annotations
@@ -26,14 +25,6 @@ def breakdown_table(rows: dict[str, MemoryBreakdown], unit: float = 2**20, unit_
     df = pd.DataFrame({name: {k: v / unit for k, v in b.as_dict().items()} for name, b in rows.items()}).fillna(0.0)
     order = [k for k in (*STATE_COMPONENTS, "total") if k in df.index]
     return df.loc[order].rename_axis(f"component ({unit_name})")
-
-
-def plan_table(config, strategies: Iterable[str] = ("single", "ddp", "zero2", "fsdp", "zero3"), *,
-               world_size: int = 2, unit: float = 2**20, unit_name: str = "MiB", **kwargs):
-    """One column per strategy, one row per component, in `unit` per rank."""
-    rows = {s: plan_memory(config, strategy=s, world_size=1 if s == "single" else world_size, **kwargs)
-            for s in strategies}
-    return breakdown_table(rows, unit=unit, unit_name=unit_name)
 
 
 # ----------------------------------------------------------------------------- measured against planned

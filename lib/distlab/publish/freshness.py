@@ -76,6 +76,13 @@ def benchmark_inputs(module: str, arguments: dict[str, Any], root: str | Path = 
     return h.hexdigest()[:DIGEST_LENGTH]
 
 
+def benchmark_provenance(module: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar fields that tie a benchmark's tables to the tree they were measured from: the command, its
+    arguments and benchmark_inputs' digest, so the stale check holds them to the book's rule (measured at a
+    clean commit from the inputs in the tree)."""
+    return {"benchmark": module, "arguments": arguments, "inputs": benchmark_inputs(module, arguments)}
+
+
 def chapter_inputs(notebook: str | Path, profile: str, parameters: dict[str, Any],
                    root: str | Path = paths.REPO_ROOT) -> str:
     """The digest of everything one chapter's outputs depend on under one profile."""

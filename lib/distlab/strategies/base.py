@@ -182,7 +182,7 @@ class Strategy:
 
         Each micro-batch's summed loss is divided by the global label-token count, then multiplied
         by the data-parallel size because gradient sync averages over ranks. The model is a
-        distlab.models.CausalLMWithLoss (possibly wrapped): its forward returns the summed loss."""
+        distlab.lm_loss.CausalLMWithLoss (possibly wrapped): its forward returns the summed loss."""
         scale = self.data_parallel_size / global_label_tokens
         local = torch.zeros((), dtype=torch.float64, device=choice.device)
         for i, batch in enumerate(micro_batches):

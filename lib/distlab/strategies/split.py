@@ -160,7 +160,7 @@ class PipelinedModel(nn.Module):
 
     def __init__(self, full: nn.Module, stage: nn.Module, stage_index: int, ranges: list[range]):
         super().__init__()
-        self.full = full  # distlab.models.CausalLMWithLoss with other stages' parts as placeholders
+        self.full = full  # distlab.lm_loss.CausalLMWithLoss with other stages' parts as placeholders
         self.stage = stage
         self.stage_index = stage_index
         self.ranges = ranges

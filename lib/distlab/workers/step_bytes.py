@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.collective_timeout_s))
     try:
         torch.set_num_threads(1)
-        train_data = build_sft_data(cfg.train_file, load_tokenizer(cfg.model), cfg.seq_len, cfg.packing, cfg.overlong)
+        train_data = build_sft_data(cfg.train_file, load_tokenizer(cfg.model), cfg.seq_len, cfg.packing, cfg.overlong,
+                                    cfg.labels)
         rows = list(range(args.rows))
         runs = {}
         for name, settings in RUNS.items():
