@@ -285,22 +285,24 @@ def balance_figure(results: Mapping[str, Mapping[str, Any]], path: str | Path, p
     right: the three-host speedup over host 0 alone against the ideal (the sum of the speeds)."""
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [1.3, 1, 1]})
     names = list(results)
+    ticks = [name.replace(", ", ",\n") for name in names]  # "3 hosts,\n100/50/50%": two lines fit a narrow panel
     for offset, kind, label in ((-0.2, "naive", "naive (equal rows)"), (0.2, "balanced", "balanced (by speed)")):
         med = [results[k][f"{kind}_step_s"] for k in names]
         rounds = [results[k][f"{kind}_step_s_rounds"] for k in names]
         spread = [[m - min(v) for m, v in zip(med, rounds)], [max(v) - m for m, v in zip(med, rounds)]]
         left.bar([i + offset for i in range(len(names))], med, 0.36, yerr=spread, capsize=4, label=label)
-    left.set_xticks(range(len(names)), names)
+    left.set_xticks(range(len(names)), ticks)
     left.set_ylabel("step time (s)")
     left.set_title("median step time over the rounds (whiskers: min-max)", fontsize=10)
-    left.legend(fontsize=8, loc="lower right")
+    left.set_ylim(0, left.get_ylim()[1] * 1.25)  # headroom above the bars for the legend
+    left.legend(fontsize=8, loc="upper left", ncols=2)
     for i, k in enumerate(names):
         mid.bar(i, results[k]["ratio"], 0.5, color="C2", alpha=0.7, label="measured" if i == 0 else None)
         theory = results[k]["theory_ratio"]
         mid.hlines(theory, i - 0.35, i + 0.35, color="k", lw=2, label="theory" if i == 0 else None)
         mid.text(i + 0.37, theory, f"{theory:.3f}", va="center", fontsize=8)
         mid.text(i, results[k]["ratio"] / 2, f"{results[k]['ratio']:.3f}", ha="center", fontsize=8)
-    mid.set_xticks(range(len(names)), names)
+    mid.set_xticks(range(len(names)), ticks)
     mid.set_xlim(-0.5, len(names) - 0.1)  # room right of the last bar for its theory label
     mid.set_ylim(0, 1.1)
     mid.set_ylabel("balanced / naive step time")
