@@ -6,6 +6,8 @@ with the plain version's loss and gradients."""
 from __future__ import annotations
 
 import contextlib
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from distlab.batching import StepBatches
 from distlab.config import TrainConfig
 from distlab.data import IGNORE_INDEX, collate, document_bounds, label_positions
 from distlab.models import QWEN25_05B_SHAPE
+from distlab.paths import REPO_ROOT
 from distlab.prepare import prepare_run
 from distlab.strategies import make_strategy
 from distlab.strategies.base import compile_layers
@@ -187,3 +190,14 @@ def test_the_half_billion_block_compiles_whole_and_never_recompiles():
         torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-4, atol=0)
         torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-3, atol=1e-3 * results[0][1].abs().max())
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+
+
+def test_the_other_torch_check_parses_lints_and_says_its_usage():
+    """tools/check_other_torch.sh (these tests under another torch release): valid bash, clean under shellcheck
+    where it is installed (make test installs it), and one usage line when called without a version."""
+    script = REPO_ROOT / "tools" / "check_other_torch.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", str(script)], check=True)
+    bare = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert bare.returncode != 0 and "usage: bash tools/check_other_torch.sh <torch version" in bare.stderr, bare.stderr
