@@ -32,13 +32,15 @@ def _refused_quickly(call, *args, **kwargs) -> str:
     t0 = time.perf_counter()
     with pytest.raises(ValueError) as info:
         call(*args, **kwargs)
-    assert time.perf_counter() - t0 < 1.0, "a bomb must be refused in well under a second"
+    # refused, not expanded: an expanded bomb takes minutes (a billion nodes), a refusal well under a second
+    # (0.4 s for the deepest case on a 2-core VM); the bound is far from both, so a busy machine cannot fail it
+    assert time.perf_counter() - t0 < 5.0, "a bomb must be refused before it is expanded"
     text = str(info.value)
     assert "\n" not in text and len(text) < 300, text  # one short line, not the expanded value
     return text
 
 
-def test_an_alias_bomb_is_refused_in_well_under_a_second_naming_the_file_and_line(tmp_path):
+def test_an_alias_bomb_is_refused_before_it_is_expanded_naming_the_file_and_line(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(alias_bomb())
     assert yaml.safe_load(alias_bomb())  # PyYAML itself accepts it (the expansion happens later, in the caller)
@@ -102,6 +104,7 @@ def test_a_binary_or_bomb_manifest_is_a_problem_naming_the_file(tmp_path):
     assert "more than 100000 values" in str(problem)
 
 
+@pytest.mark.slow  # it imports distlab.train (torch, transformers): over 5 s when it is the first test to do so
 def test_every_other_yaml_reader_is_bounded(tmp_path):
     from distlab.launch.network import NetworkPresetError, presets
     from distlab.publish.datagen import TableError, load_tables
