@@ -111,15 +111,25 @@ class Other(NamedTuple):
     names: dict[str, str]
     thresholds: dict[str, dict[int, int]]
     pattern: re.Pattern  # every key, longest first, one alternation
+    swapped: dict[tuple[str, bool], tuple[str, tuple[str, ...]]]  # (text, replace) -> (its swap, fact keys met)
 
     def swap(self, text: str, found: list[str] | None = None, replace: bool = True) -> str:
-        """Text with every key replaced (`replace=False`: unchanged); appends the fact keys met to `found`."""
-        def one(match: re.Match) -> str:
-            key = match.group(0)
-            if found is not None and key in self.facts and key not in found:
-                found.append(key)
-            return (self.facts.get(key) or self.names[key]) if replace else key
-        return self.pattern.sub(one, text)
+        """Text with every key replaced (`replace=False`: unchanged); appends the fact keys met to `found`.
+        Remembered per text: validation renders every phrasing x value combination, and their answers and rule
+        texts are few."""
+        if (text, replace) not in self.swapped:
+            met: list[str] = []
+
+            def one(match: re.Match) -> str:
+                key = match.group(0)
+                if key in self.facts and key not in met:
+                    met.append(key)
+                return (self.facts.get(key) or self.names[key]) if replace else key
+            self.swapped[text, replace] = (self.pattern.sub(one, text), tuple(met))
+        out, met_keys = self.swapped[text, replace]
+        if found is not None:
+            found.extend(key for key in met_keys if key not in found)
+        return out
 
 
 class Tables(NamedTuple):
@@ -251,7 +261,7 @@ def _load_other(path: Path) -> Other:
     both = sorted({**names, **facts}, key=len, reverse=True)
     pattern = re.compile("|".join(re.escape(k) for k in both))
     thresholds = {slot: {int(a): int(b) for a, b in m.items()} for slot, m in doc["thresholds"].items()}
-    return Other(doc["company"], facts, names, thresholds, pattern)
+    return Other(doc["company"], facts, names, thresholds, pattern, swapped={})
 
 
 # --------------------------------------------------------------------------------------------
