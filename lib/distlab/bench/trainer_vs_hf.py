@@ -5,7 +5,8 @@
 Same model (the default tiny Qwen2 + the same LoRA), same tokenised rows with the same label
 masking, same micro-batch, steps, optimizer and schedule, one CPU thread each. The Hugging Face
 runs use the stock stack (SDPA attention with a mask, peft's nn.Dropout, fp32 unless the name says
-bf16: then `bf16=True`, HF's CPU autocast); distlab runs its own recipe, which is what is being
+bf16: then `bf16=True`, HF's CPU autocast; TRL, whose SFTConfig defaults to bf16, gets it only where
+bf16 matmuls are native, as distlab does); distlab runs its own recipe, which is what is being
 compared: packing, per-document attention for packed rows (distlab.attention), the LM head only at
 label positions, 16-bit dropout coins (distlab.dropout), and bf16 autocast where the CPU runs bf16
 matmuls natively (dtype auto-bf16; attention kept in fp32). Every framework runs in its own
@@ -135,7 +136,9 @@ def run_trl(args) -> dict:
                           weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
                           logging_steps=cfg.max_steps, save_strategy="no", report_to=[], use_cpu=args.device == "cpu",
                           dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True,
-                          packing=True, max_length=cfg.seq_len)
+                          packing=True, max_length=cfg.seq_len,
+                          # TRL's SFTConfig turns bf16 on by default; like distlab's auto-bf16, only where it is native
+                          bf16=native_bf16(args.device))
         trainer = SFTTrainer(model=_hf_model(cfg), args=targs, train_dataset=data, processing_class=tokenizer)
         clock = _StepClock(trainer.data_collator)
         trainer.data_collator = clock
