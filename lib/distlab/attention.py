@@ -268,7 +268,6 @@ def _flash_varlen(query, key, value, spans, scaling):
     return _flash_documents(query, key, value, cu_seq, longest, scaling if scaling is not None else dim ** -0.5), None
 
 
-
 def register() -> None:
     """Make VARLEN a valid `attn_implementation` (idempotent)."""
     from transformers import AttentionInterface  # deferred: transformers is slow to import

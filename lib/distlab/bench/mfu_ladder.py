@@ -82,8 +82,6 @@ PRESET_ROWS = {
     # nanochat's d20 as it pretrains: 2,048-token rows, the loss at every token
     "d20": {"model": "nanochat-d20-random", "seq_len": 2048, "labels": "all"},
 }
-LABELS = LABEL_POLICIES  # replies: the support set, the loss on assistant replies (SFT); all: long documents,
-# the loss on every token (pretraining)
 
 COLUMNS = ("rung", "change", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "model_tflops",
            "mfu_data_sheet", "mfu_measured_peak", "hfu_data_sheet", "label_fraction", "seq_len", "tokens_per_step",
@@ -195,8 +193,8 @@ def ladder(model: str | None = "qwen2.5-0.5b-random", device: str = "cuda", dtyp
     what is left is skipped. `save(table)`, if given, is called after every rung, so a ladder cut short
     keeps what it measured."""
     t0 = time.monotonic()
-    if labels not in LABELS:
-        raise ValueError(f"labels={labels!r}: one of {', '.join(LABELS)}")
+    if labels not in LABEL_POLICIES:
+        raise ValueError(f"labels={labels!r}: one of {', '.join(LABEL_POLICIES)}")
     out_dir = Path(out_dir) if out_dir is not None else RUNS_DIR / "mfu_ladder"
     out_dir.mkdir(parents=True, exist_ok=True)
     train_file = str(long_documents_file(out_dir / LONG_DOCUMENTS_FILE, seq_len)) if labels == "all" else None
@@ -264,7 +262,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bf16-autocast")
     parser.add_argument("--seq-len", type=int, help="tokens a row (default: the preset row's)")
-    parser.add_argument("--labels", choices=LABELS, help="replies: the support set, loss on assistant replies "
+    parser.add_argument("--labels", choices=LABEL_POLICIES, help="replies: the support set, loss on assistant replies "
                         "only; all: documents as long as a row, loss on every token (default: the preset row's)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per rung, warm-up included")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median (compilation, caches)")
