@@ -196,8 +196,20 @@ def whole_shape(p: torch.Tensor) -> torch.Size:
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(total, trainable) parameter counts; a 4-bit weight counts its weights, not the bytes they are packed in."""
+    """(total, trainable) parameter counts; a 4-bit weight counts its weights, not the bytes they are packed in
+    (a weightless one, before a sharded load fills it, knows their shape as `quantised_shape`)."""
     total = sum(math.prod(p.quant_state.shape) if getattr(p, "quant_state", None) is not None
+                else math.prod(p.quantised_shape) if hasattr(p, "quantised_shape")
                 else whole_shape(p).numel() for p in model.parameters())
     trainable = sum(whole_shape(p).numel() for p in model.parameters() if p.requires_grad)
     return total, trainable
+
+
+def quant_state_parts(state) -> list[torch.Tensor]:
+    """The tensors of a bitsandbytes QuantState: a 4-bit weight's per-block absmax and code table; double-quantised,
+    also its 8-bit scales' own state (state2: fp32 absmax, offset, code table)."""
+    out = []
+    while state is not None:
+        out += [v for v in vars(state).values() if torch.is_tensor(v)]
+        state = getattr(state, "state2", None)
+    return out

@@ -54,15 +54,17 @@ def prepare_run(cfg: TrainConfig, strategy):
     compute = choice.dtype if cfg.quant_compute_dtype == "auto" else QUANT_DTYPES[cfg.quant_compute_dtype]
     quantization = quantization_config(cfg.quantization, cfg.double_quant, compute)
     # fsdp, tp and fsdp_tp build the model without weights, shard it, then read only each rank's part
-    # (distlab.sharded_load); random presets and quantised bases load whole on every rank, as on every other
-    # strategy (so a preset starts from the same seeded weights everywhere; FSDP+QLoRA still loads a whole replica)
+    # (distlab.sharded_load; a 4-bit base quantised weight by weight, each rank keeping its part); random presets
+    # and int8 bases load whole on every rank, as on every other strategy (so a preset starts from the same seeded
+    # weights everywhere)
     whole_because = sharded_load.whole_model_reason(cfg) if strategy.loads_shards else None
     shards = strategy.loads_shards and whole_because is None
     if whole_because and strategy.is_main:
         print(f"[distlab] {strategy.name}: every rank loads the whole model, then shards it: {whole_because}",
               flush=True)
     if shards:
-        model = sharded_load.empty_model(cfg.model, choice.dtype, cfg.attn_implementation)
+        folder = sharded_load.weights_folder(cfg)
+        model = sharded_load.empty_model(folder, choice.dtype, cfg.attn_implementation, quantization)
     else:
         with strategy.load_context(cfg, choice):  # ZeRO-3: partitioned as it loads
             model = load_model(cfg.model, dtype=choice.dtype, attn_implementation=cfg.attn_implementation,
@@ -82,4 +84,5 @@ def prepare_run(cfg: TrainConfig, strategy):
         model = apply_lora(model, cfg)
     model = CausalLMWithLoss(model, cfg.cross_entropy)
     # weightless: the strategy's `prepare` (parallelize) cuts it, then fills each rank's part (sharded_load.fill)
-    return choice, tokenizer, train_data, eval_data, sharded_load.defer_weights(model, cfg.model) if shards else model
+    return choice, tokenizer, train_data, eval_data, (sharded_load.defer_weights(model, folder, choice.dtype) if shards
+                                                          else model)

@@ -21,7 +21,14 @@ config, never saved). A tied embedding and LM head stay one parameter throughout
 
 Random presets (distlab.models.RANDOM_PRESETS) have no folder: they are built whole from a seeded
 init, so every strategy, single and ddp included, starts from the same weights; they keep the whole-model
-path. So do quantised (QLoRA) bases: bitsandbytes quantises inside from_pretrained.
+path (a quantised preset is read from the folder it is saved to once, as a whole quantised load reads it).
+
+A 4-bit (QLoRA, nf4) base is built with bitsandbytes' Linear4bit layers, exactly as from_pretrained builds it
+(transformers' own quantizer replaces the layers), and each quantised weight is read whole, one at a time,
+quantised on the run's device with the call from_pretrained makes (`quantize_4bit`), and cut: the rank keeps
+its own rows of the packed bytes and the small per-block scales (bitsandbytes' QuantState, which stays whole on
+every layer, as FSDP + QLoRA keeps it after a whole load). Bit for bit what a whole load holds, without a
+whole 4-bit replica on any rank: the most it holds beyond its share is one weight being packed.
 
 ZeRO-3 loads its own way (`zero3_init`): transformers' from_pretrained builds the model under
 `deepspeed.zero.Init`, so each parameter is partitioned over the ranks as soon as it is created.
@@ -41,19 +48,27 @@ from torch.distributed.tensor import DTensor
 
 from distlab.attention import resolve
 from distlab.model_build import quiet_hf
-from distlab.models import RANDOM_PRESETS, resolve_model
+from distlab.models import RANDOM_PRESETS, quant_state_parts, random_preset_folder, resolve_model
 
 
 def whole_model_reason(cfg) -> str | None:
     """Why a run must load the whole model on every rank, or None when its weights can be read in shards."""
-    if cfg.quantization != "none":
-        return "a quantised base (bitsandbytes quantises inside from_pretrained)"
-    if cfg.model in RANDOM_PRESETS:
+    if cfg.quantization not in ("none", "nf4"):
+        return f"an {cfg.quantization} base (bitsandbytes quantises it inside from_pretrained)"
+    if cfg.model in RANDOM_PRESETS and cfg.quantization == "none":
         return "a random preset (built whole from a seeded init, as every strategy builds it)"
-    folder = model_folder(cfg.model)
+    folder = weights_folder(cfg)
     if not (folder / "model.safetensors").is_file() and not (folder / "model.safetensors.index.json").is_file():
         return f"{folder} holds no safetensors checkpoint (the only format a rank can read a slice of)"
     return None
+
+
+def weights_folder(cfg) -> Path:
+    """The folder a run's weights are read from: the model's, or for a quantised random preset the folder
+    it is saved to once (what a whole quantised load reads: distlab.models.random_preset_folder)."""
+    if cfg.model in RANDOM_PRESETS:
+        return Path(random_preset_folder(cfg.model))
+    return model_folder(cfg.model)
 
 
 def model_folder(model: str | None) -> Path:
@@ -73,24 +88,47 @@ class PendingWeights:
 
     folder: Path
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name in the model -> its CPU value
+    load_dtype: torch.dtype = torch.float32  # what from_pretrained reads every tensor as: the run's dtype
+    # a 4-bit base: file key -> quantize_4bit's settings for that weight (blocksize, quant_type, ...)
+    quantised: dict[str, dict] = field(default_factory=dict)
 
 
-def empty_model(model: str | None, dtype: torch.dtype, attn_implementation: str):
-    """The model `model` names, built from its config with weightless parameters: each a CPU tensor of the
+QUANT_SETTINGS = ("blocksize", "compress_statistics", "quant_type", "quant_storage")  # of a Params4bit
+
+
+def empty_model(folder: Path, dtype: torch.dtype, attn_implementation: str, quantization=None):
+    """The model in `folder`, built from its config with weightless parameters: each a CPU tensor of the
     right shape and dtype that repeats one element (stride 0), so it takes no memory. CPU rather than
     meta so that PEFT, which creates each adapter on its base layer's device, leaves the adapters on the
-    CPU with their values (`defer_weights` then moves every parameter to meta)."""
+    CPU with their values (`defer_weights` then moves every parameter to meta).
+
+    `quantization` (a 4-bit BitsAndBytesConfig): the layers from_pretrained would quantise become bitsandbytes'
+    Linear4bit, each weight a placeholder of its packed bytes; the other layers' placeholders are fp32 already,
+    the dtype QLoRA's preparation casts them to (cast from a stride-0 placeholder, each would be allocated)."""
     # deferred: transformers is slow to import
     from transformers import AutoConfig, AutoModelForCausalLM
 
     quiet_hf()  # as load_model: no progress bars, no deprecation notices that are not ours to fix
-    config = AutoConfig.from_pretrained(model_folder(model), trust_remote_code=False)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     attn_implementation = resolve(attn_implementation)
     with torch.device("meta"):  # draws nothing from the random generator, allocates nothing
         lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    for p in lm.parameters():  # each tied parameter once; swapping keeps it the same object, so still tied
-        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty((), dtype=p.dtype).expand(p.shape),
-                                                       requires_grad=p.requires_grad))
+    if quantization is not None:
+        _quantised_layers(lm, quantization, dtype)
+    for module in lm.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if is_4bit(p):  # the packed bytes' shape: what quantize_4bit returns, (elements / 2, 1) for uint8
+                rows = -(-p.numel() * 4 // (8 * p.quant_storage.itemsize))
+                placeholder = type(p)(torch.empty((), dtype=p.quant_storage).expand(rows, 1), requires_grad=False,
+                                      module=module, bnb_quantized=True,  # else moving it would quantise it
+                                      **{k: getattr(p, k) for k in QUANT_SETTINGS})
+                setattr(module, name, placeholder)
+                continue
+            as_dtype = torch.float32 if quantization is not None and p.dtype in (torch.float16, torch.bfloat16) \
+                else p.dtype
+            # each tied parameter once; swapping keeps it the same object, so still tied
+            torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty((), dtype=as_dtype).expand(p.shape),
+                                                           requires_grad=p.requires_grad))
     decoder = lm.get_decoder()
     decoder.rotary_emb = type(decoder.rotary_emb)(config=lm.config)  # real buffers, computed from the config
     unknown = [name for name, b in lm.named_buffers() if b.is_meta]
@@ -99,22 +137,49 @@ def empty_model(model: str | None, dtype: torch.dtype, attn_implementation: str)
     return lm
 
 
-def defer_weights(model: torch.nn.Module, model_name: str | None) -> torch.nn.Module:
+def _quantised_layers(lm, quantization, dtype: torch.dtype) -> None:
+    """Replace the layers from_pretrained quantises with bitsandbytes' 4-bit ones, on meta: the same call
+    from_pretrained makes (transformers' quantizer, in the run's dtype), so the same layers, skipped layers
+    and settings, and the same flags on the model (is_loaded_in_4bit: PEFT and k-bit preparation read it)."""
+    from transformers.modeling_utils import local_torch_dtype  # deferred: transformers is slow to import
+    from transformers.quantizers import AutoHfQuantizer  # deferred: as above
+
+    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
+    with torch.device("meta"), local_torch_dtype(dtype):
+        quantizer.preprocess_model(lm, dtype=dtype, device_map=None)
+    lm.hf_quantizer = quantizer
+    quantizer.postprocess_model(lm)
+    for module in lm.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False  # as distlab.models.load_model: no repacking on the CPU
+
+
+def is_4bit(t: torch.Tensor) -> bool:
+    """Whether `t` is a bitsandbytes 4-bit weight (Params4bit), without importing bitsandbytes."""
+    return all(hasattr(t, k) for k in QUANT_SETTINGS)
+
+
+def defer_weights(model: torch.nn.Module, folder: Path, load_dtype: torch.dtype) -> torch.nn.Module:
     """Move a CausalLMWithLoss built on `empty_model` to meta, keeping (on the CPU) the values of the tensors
-    the files do not hold; `fill` reads the rest once the strategy has sharded the model."""
-    folder = model_folder(model_name)
+    the files do not hold; `fill` reads the rest, as `load_dtype`, once the strategy has sharded the model."""
     in_file = set(weight_files(folder))
-    extras = {}
+    extras, quantised, unpacked = {}, {}, {}
     for name, t in named_tensors(model):
+        if is_4bit(t):
+            layer = model.causal_lm.get_submodule(name.rsplit(".", 1)[0])
+            quantised[file_key(name)] = {k: getattr(t, k) for k in QUANT_SETTINGS}
+            unpacked[id(t)] = (layer.out_features, layer.in_features)
         if file_key(name) in in_file:
             continue
         if t.numel() > 1 and not any(t.stride()):
             raise ValueError(f"{folder}: no tensor {file_key(name)!r} in the model's safetensors files")
         extras[name] = t.detach().clone()  # LoRA adapters and non-persistent buffers: small
     for p in model.parameters():
-        torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                       requires_grad=p.requires_grad))
-    model.pending_weights = PendingWeights(folder, extras)
+        meta = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        if id(p) in unpacked:  # models.count_parameters counts the weights a packed placeholder stands for
+            meta.quantised_shape = unpacked[id(p)]
+        torch.utils.swap_tensors(p, meta)
+    model.pending_weights = PendingWeights(folder, extras, load_dtype, quantised)
     return model
 
 
@@ -123,10 +188,13 @@ def is_pending(model: torch.nn.Module) -> bool:
     return getattr(model, "pending_weights", None) is not None
 
 
-def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "") -> dict:
+def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "",
+         quantise_on: torch.device | str | None = None) -> dict:
     """Allocate this rank's part of every (sharded) tensor on `device` and read it in; returns what was read:
-    bytes_read (from the files), largest_read (one slice), bytes_held (every tensor this rank allocated) and
-    file_bytes (the whole model in the files). Prints one line on rank 0 when `log_as` names the strategy."""
+    bytes_read (from the files), largest_read (one slice, or one whole 4-bit weight), bytes_held (every tensor
+    this rank allocated, a 4-bit layer's QuantState included) and file_bytes (the whole model in the files).
+    A 4-bit base's weights are quantised on `quantise_on` (the run's device, where from_pretrained quantises;
+    default `device`). Prints one line on rank 0 when `log_as` names the strategy."""
     pending: PendingWeights = model.pending_weights
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # each parameter stays one object: tied stay tied
@@ -143,13 +211,23 @@ def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "") -
             for name, t in named_tensors(model):
                 local = t.to_local() if isinstance(t, DTensor) else t
                 index = tuple(slice(o, o + s) for o, s in zip(*_local_box(t)))
+                key = file_key(name)
                 if name in pending.extras:
                     local.copy_(pending.extras[name][index])
+                elif key in pending.quantised:
+                    whole = read_whole(files[key], key)
+                    layer = model.causal_lm.get_submodule(name.rsplit(".", 1)[0])
+                    state = _quantise_into(local, index, whole, pending.quantised[key], pending.load_dtype,
+                                           quantise_on or device, layer, sharded=isinstance(t, DTensor))
+                    _count_read(report, whole)
+                    report["bytes_held"] += sum(v.numel() * v.element_size() for v in quant_state_parts(state))
+                    del whole
                 else:
-                    part = opened[files[file_key(name)]].get_slice(file_key(name))[index]
-                    local.copy_(part)  # casts to the model's dtype, as from_pretrained does
-                    report["bytes_read"] += part.numel() * part.element_size()
-                    report["largest_read"] = max(report["largest_read"], part.numel() * part.element_size())
+                    part = opened[files[key]].get_slice(key)[index]
+                    # as from_pretrained reads it, in the run's dtype; a layer QLoRA's preparation keeps in fp32 goes
+                    # through the run's dtype first (bf16-rounded, as after a whole load and the preparation's cast)
+                    local.copy_(part if local.dtype == pending.load_dtype else part.to(pending.load_dtype))
+                    _count_read(report, part)
                 report["bytes_held"] += local.numel() * local.element_size()
     model.pending_weights = None
     model.load_report = report
@@ -158,6 +236,48 @@ def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "") -
         print(f"[distlab] {log_as}: loaded this rank's shard of the weights only: read "
               f"{report['bytes_read'] * mb:.1f} MiB of the files' {report['file_bytes'] * mb:.1f} MiB", flush=True)
     return report
+
+
+def _count_read(report: dict, read: torch.Tensor) -> None:
+    size = read.numel() * read.element_size()
+    report["bytes_read"] += size
+    report["largest_read"] = max(report["largest_read"], size)
+
+
+def _quantise_into(local: torch.Tensor, index: tuple, whole: torch.Tensor, settings: dict, load_dtype: torch.dtype,
+                   device, layer: torch.nn.Module, sharded: bool):
+    """Quantise one whole weight as from_pretrained does (read as the run's dtype, packed on the run's device
+    by the same bitsandbytes call: bit for bit its bytes and scales), keep this rank's rows of the packed bytes
+    in `local`, and give the layer its QuantState, whole. Returns the state."""
+    import bitsandbytes  # deferred: only a 4-bit base needs it
+
+    packed, state = bitsandbytes.functional.quantize_4bit(
+        whole.to(device=device, dtype=load_dtype).contiguous(), **{k: settings[k] for k in QUANT_SETTINGS})
+    local.copy_(packed[index])
+    layer.quant_state = state  # where Linear4bit's forward finds it for a weight FSDP gathers (a plain tensor)
+    if not sharded:  # a weight no strategy cut: a 4-bit parameter again, as a whole load leaves it
+        layer.weight = bitsandbytes.nn.Params4bit(local.detach(), requires_grad=False, quant_state=state, module=layer,
+                                                  bnb_quantized=True, **{k: settings[k] for k in QUANT_SETTINGS})
+    return state
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def read_whole(path: Path, key: str) -> torch.Tensor:
+    """One tensor of a safetensors file, read into its own memory without mapping the file: a mapped read
+    would leave the whole tensor's pages in the process's resident memory while the file stays open."""
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_size))[key]
+        start, end = entry["data_offsets"]
+        f.seek(8 + header_size + start)
+        data = torch.empty(end - start, dtype=torch.uint8)
+        if f.readinto(data.numpy()) != end - start:
+            raise ValueError(f"{path}: tensor {key!r} is cut short (the file ends before its {end - start} bytes)")
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{path}: tensor {key!r}: dtype {entry['dtype']!r} is not a floating-point weight's")
+    return data.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def named_tensors(model: torch.nn.Module):

@@ -145,7 +145,8 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
                                       force=cfg.resume == "force") if resume_from is not None else [])
     # Host memory while the model loads, per rank: under single, ddp, zero2 and the pipelines every rank reads
     # the whole model (and quantises it, for a 4-bit base); fsdp, tp and fsdp_tp read only their own slices,
-    # inside strategy.prepare (distlab.sharded_load); zero3 loads partitioned. The peak is read once
+    # inside strategy.prepare (distlab.sharded_load; over a 4-bit base, each quantised weight whole, one at a time,
+    # keeping its rows of the packed bytes); zero3 loads partitioned. The peak is read once
     # strategy.prepare has finished loading.
     host = torch.device("cpu")
     reset_peak_memory(host)

@@ -188,8 +188,9 @@ def test_fsdp_shards_a_4bit_base_with_the_loss_of_one_device(runs, tiny_model):
     """FSDP + QLoRA: fully_shard cuts each NF4 weight's packed bytes (uint8, not cast) on dim 0; bitsandbytes
     keeps the per-block constants whole on the module, so every rank holds them all. The loss curve and the
     held-out loss are one device's; per rank, weights (packed shard + constants + unquantised shards),
-    adapters, gradients and optimizer state match the planner. Each rank records its host memory before and
-    at the peak of loading (chapter 03 shows that every rank reads and quantises the whole model)."""
+    adapters, gradients and optimizer state match the planner. The run loads in shards (each rank packs one weight
+    at a time and keeps its rows: tests/launches/test_sharded_load_runs.py), and each rank records its host memory
+    before and at the peak of loading (chapter 03 prints it)."""
     _, jobs = runs
     one, two = jobs[("single", "qlora")], jobs[("fsdp", "qlora")]
     assert losses(two) == pytest.approx(losses(one), rel=LOSS_RTOL)

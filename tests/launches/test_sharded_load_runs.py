@@ -35,15 +35,25 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from distlab.config import TrainConfig
 from distlab.jsonio import strict_json
+from distlab.measure.state import quant_state_tensors
+from distlab.models import quant_state_parts
 from distlab.prepare import prepare_run
 from distlab.strategies import make_strategy
+
+
+def quantised_layers(lm):
+    """{layer name: its packed weight and QuantState tensors}: what a 4-bit layer holds, whole."""
+    return {n: [m.weight.full_tensor() if isinstance(m.weight, DTensor) else m.weight.data,
+                *quant_state_parts(m.quant_state)] for n, m in lm.named_modules() if hasattr(m, "quant_state")}
+
 
 out, runs = sys.argv[1], sys.argv[2].split(",")
 torch.set_num_threads(1)
 result = {}
 for run in runs:
     name, mode = run.split(":")
-    cfg = TrainConfig(strategy=name, lora=mode == "lora", eval_file=None, seq_len=64)
+    cfg = TrainConfig(strategy=name, lora=mode != "full", eval_file=None, seq_len=64,
+                      quantization="nf4" if mode == "qlora" else "none")
     strategy = make_strategy(name)
     strategy.setup(cfg)
     choice, *_, model = prepare_run(cfg, strategy)
@@ -52,13 +62,25 @@ for run in runs:
     record.update(model.load_report)
     lm = model.causal_lm
     record["tied"] = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
-    if name == "fsdp":
+    if mode == "qlora":  # a 4-bit weight's state stays on its layer, outside the state dict FSDP gathers
+        full = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for k, t in model.named_parameters()}
+        full.update({f"{n}.packed_and_state.{i}": t
+                     for n, ts in quantised_layers(lm).items() for i, t in enumerate(ts)})
+    elif name == "fsdp":
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
         full = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach() for k, t in model.state_dict().items()}
     if dist.get_rank() == 0:
         *_, whole = prepare_run(cfg, make_strategy("single"))
-        ref = whole.state_dict()
+        if mode == "qlora":
+            ref = {k: t.detach() for k, t in whole.named_parameters()}
+            ref.update({f"{n}.packed_and_state.{i}": t
+                        for n, ts in quantised_layers(whole.causal_lm).items() for i, t in enumerate(ts)})
+            record["quantised_layers"] = len(quantised_layers(whole.causal_lm))
+            held = [*whole.parameters(), *whole.buffers(), *{id(t): t for t in quant_state_tensors(whole)}.values()]
+            record["whole_held"] = sum(t.numel() * t.element_size() for t in held)
+        else:
+            ref = whole.state_dict()
         record["same_names"] = sorted(ref) == sorted(full)
         record["lora_tensors"] = sum("lora_" in k for k in ref)
         record["different"] = [k for k in ref if k in full and not torch.equal(ref[k], full[k].cpu())]
@@ -145,6 +167,27 @@ def test_fsdp_and_tp_ranks_read_only_their_share_and_gather_the_whole_load(tmp_p
         assert rank0["same_names"] and rank0["different"] == [], run  # bitwise the whole load
         assert (rank0["lora_tensors"] > 0) == run.endswith("lora")
     assert sum(r["fsdp:full"]["bytes_read"] for r in ranks) == total  # each byte read once, by one rank
+
+
+def test_fsdp_qlora_quantises_weight_by_weight_and_keeps_only_its_share(tmp_path):
+    """FSDP + QLoRA without a whole 4-bit replica: each rank reads every quantised weight whole, one at a time,
+    packs it as from_pretrained does and keeps its rows of the bytes (the per-block scales stay whole on the
+    layer, as after a whole load). Gathered back, the packed bytes, every scale and every other weight are the
+    whole 4-bit load's, bit for bit. The losses: tests/launches/test_fsdp_zero.py (one device's, sharded)."""
+    sizes = file_tensor_bytes()
+    total, largest = sum(sizes.values()), max(sizes.values())
+    quantised = sum(b for n, b in sizes.items() if any(f".{p}." in n for p in LAYER_PLAN))  # every projection
+    ranks = torchrun(tmp_path, SHARDED_CHECK, "fsdp:qlora")
+    whole_held = ranks[0]["fsdp:qlora"]["whole_held"]
+    for rank, records in enumerate(ranks):
+        rec = records["fsdp:qlora"]
+        assert rec["weightless"] and rec["tied"], rank
+        assert rec["bytes_read"] <= quantised + (total - quantised) / 2 + largest, rank  # quantised ones whole
+        assert rec["largest_read"] <= largest, rank  # one weight at a time
+        assert rec["bytes_held"] < 0.6 * whole_held, (rank, rec["bytes_held"], whole_held)  # never the replica
+    rank0 = ranks[0]["fsdp:qlora"]
+    assert rank0["quantised_layers"] > 0 and rank0["lora_tensors"] > 0
+    assert rank0["same_names"] and rank0["different"] == []
 
 
 def test_zero3_partitions_the_weights_as_it_loads_and_trains_as_one_device(tmp_path):

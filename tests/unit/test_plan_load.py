@@ -1,5 +1,5 @@
 """The memory of loading (distlab.planning.load) and the verdicts that use it: the load path of each strategy (as
-prepare_run loads it), a sharded 4-bit base loading a whole replica first, ZeRO-3 holding one whole tensor beside
+prepare_run loads it), a sharded 4-bit base packing one weight at a time, ZeRO-3 holding one whole tensor beside
 its partition. Against real sharding (a Llama-2-7B on the meta device cut by FSDP2 over 2 gloo ranks):
 tests/launches/test_plan_load_runs.py; host memory at load: the scale rehearsal
 (tests/launches/test_scale_rehearsal.py, python -m distlab.bench.scale_rehearsal).
@@ -12,7 +12,7 @@ import pytest
 from distlab import sharded_load
 from distlab.config import PIPELINE_STRATEGIES, QUANTISED_STRATEGIES, STRATEGY_NAMES, TrainConfig
 from distlab.planning import advice, cards, plan, shapes
-from distlab.planning.load import load_path, peak_bytes, plan_load
+from distlab.planning.load import QUANTISE_SCRATCH_BYTES, load_path, peak_bytes, plan_load
 from distlab.strategies import make_strategy
 
 GIB = 2**30
@@ -21,8 +21,8 @@ GIB = 2**30
 def test_load_paths_follow_how_each_strategy_loads():
     assert [load_path(s) for s in ("single", "ddp", "zero2", "fsdp", "tp", "fsdp_tp", "zero3", "pipeline")] == \
         ["whole", "whole", "whole", "slices", "slices", "slices", "partitioned", "stage"]
-    assert load_path("fsdp", quantised=True) == "whole" and load_path("fsdp", safetensors=False) == "whole"
-    assert load_path("zero3", quantised=True) == "whole"
+    assert load_path("fsdp", quantization="nf4") == "slices" and load_path("fsdp", safetensors=False) == "whole"
+    assert load_path("fsdp", quantization="int8") == "whole" and load_path("zero3", quantization="nf4") == "whole"
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
@@ -34,26 +34,42 @@ def test_the_planner_loads_each_strategy_as_prepare_run_does(strategy):
             "partitioned": getattr(made, "stage", 0) == 3, "stage": strategy in PIPELINE_STRATEGIES}
     expected = next((path for path, taken in runs.items() if taken), "whole")
     assert load_path(strategy) == expected
-    if strategy in QUANTISED_STRATEGIES:  # a quantised base: bitsandbytes quantises inside from_pretrained
-        assert sharded_load.whole_model_reason(TrainConfig(quantization="nf4")) and \
-            load_path(strategy, quantised=True) == "whole"
+    if strategy in QUANTISED_STRATEGIES:  # a 4-bit base: fsdp quantises weight by weight, the others whole
+        shards_4bit = made.loads_shards and sharded_load.whole_model_reason(TrainConfig(quantization="nf4")) is None
+        assert load_path(strategy, quantization="nf4") == ("slices" if shards_4bit else "whole")
 
 
-def test_a_sharded_4bit_base_loads_a_whole_replica_first():
+def test_a_sharded_4bit_base_loads_weight_by_weight_and_the_step_is_its_peak():
     q_v = dict(lora_r=16, lora_targets=["q_proj", "v_proj"], micro_batch=1, seq_len=2048,
                activation_checkpointing=True, activation_bytes=2)
     load = plan_load(shapes.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v)
     step = plan.plan_memory(shapes.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v)
-    assert load.path == "whole" and load.device > load.whole > step.total
-    assert peak_bytes(shapes.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v) == load.device
+    # beyond its share, one whole weight (the largest projection, 13824 x 5120) in bf16 and its packed bytes
+    assert load.path == "slices" and load.device - load.kept == 13824 * 5120 * 2.5
+    assert load.device < step.total < load.whole  # never the whole 4-bit replica
+    assert peak_bytes(shapes.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=0.5, **q_v) == step.total
+    # the same 4-bit base under DDP: each rank quantises the whole model, and keeps it
+    ddp = plan_load(shapes.LLAMA2_13B, strategy="ddp", world_size=3, weight_bytes=0.5, **q_v)
+    assert ddp.path == "whole" and ddp.device > ddp.whole
     # bf16 weights read slice by slice: the load is the shard, and the step (buffers, activations) is the peak
     bf16 = plan_load(shapes.LLAMA2_13B, strategy="fsdp", world_size=3, weight_bytes=2, **q_v)
     assert bf16.path == "slices" and bf16.device == pytest.approx(bf16.whole / 3, rel=0.01)
-    # every verdict takes the larger: the recommender finds nothing for Scenario 3, and says why
+    # every verdict takes the larger: the recommender's Scenario 3 now fits with FSDP + QLoRA
     rec = advice.recommend(shapes.LLAMA2_13B, cards.LAN_CLUSTER, lora_r=16, lora_targets=["q_proj", "v_proj"],
                            optimizer="adamw8bit")
-    assert rec.label == "nothing fits" and "while the model loads" in rec.reasoning[-1]
-    assert not rec.decision.option("fsdp", 0.5).fits_every_gpu
+    assert rec.label == "fsdp with 4-bit weights" and rec.decision.option("fsdp", 0.5).fits_every_gpu
+
+
+def test_a_cpu_rank_packing_a_weight_holds_the_read_and_the_kernels_scratch():
+    """On a CPU the device is the host: the weight read in the file's dtype, its fp32 cast and bitsandbytes'
+    temporaries (QUANTISE_SCRATCH_BYTES) all sit in the one process, beside the unquantised slices it maps."""
+    run = dict(lora_r=16, dtype="nf4", micro_batch=1, seq_len=128)
+    load = plan_load(shapes.QWEN25_7B, strategy="fsdp", world_size=2, on_gpu=False, checkpoint_bytes=2, **run)
+    largest = 18944 * 3584  # gate_proj, up_proj, down_proj
+    unquantised = shapes.parameter_count(shapes.QWEN25_7B) - 28 * (3584 * (3584 + 2 * 512) + 3584 * 3584
+                                                                     + 3 * 18944 * 3584)
+    expected = load.kept + largest * (2 + 4 + QUANTISE_SCRATCH_BYTES) + unquantised * 2 / 2
+    assert load.path == "slices" and load.host == pytest.approx(expected, rel=1e-9)
 
 
 def test_zero3_holds_one_whole_tensor_beside_its_partition_while_loading():

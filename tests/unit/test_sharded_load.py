@@ -6,19 +6,24 @@ tests/launches/test_sharded_load_runs.py.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distlab import sharded_load
 from distlab.config import TrainConfig
+from distlab.measure.state import quant_state_tensors
+from distlab.models import count_parameters
 from distlab.prepare import prepare_run
 from distlab.strategies.single import SingleDevice
 from helpers import file_tensor_bytes
 
 
-def test_presets_and_quantised_bases_keep_the_whole_model_path():
+def test_presets_and_int8_bases_keep_the_whole_model_path():
     assert sharded_load.whole_model_reason(TrainConfig()) is None
     assert "random preset" in sharded_load.whole_model_reason(TrainConfig(model="distlab-tiny-random"))
-    assert "quantised" in sharded_load.whole_model_reason(TrainConfig(quantization="nf4"))
+    assert "int8" in sharded_load.whole_model_reason(TrainConfig(quantization="int8"))
+    assert sharded_load.whole_model_reason(TrainConfig(quantization="nf4")) is None  # quantised weight by weight
+    assert sharded_load.whole_model_reason(TrainConfig(model="distlab-tiny-random", quantization="nf4")) is None
     assert sharded_load.file_key("model.layers.0.self_attn.q_proj.base_layer.weight") == \
         "model.layers.0.self_attn.q_proj.weight"
 
@@ -42,4 +47,30 @@ def test_a_weightless_model_filled_from_the_files_is_the_whole_load_bit_for_bit(
     assert dict(whole.named_buffers()).keys() == dict(model.named_buffers()).keys()  # rotary inv_freq recomputed
     lm = model.causal_lm
     assert lm.get_output_embeddings().weight is lm.get_input_embeddings().weight  # still tied
+    assert report["bytes_read"] == sum(file_tensor_bytes().values())
+
+
+@pytest.mark.parametrize(("double_quant", "dtype"), [(True, "fp32"), (False, "fp32"), (True, "bf16")])
+def test_a_weightless_4bit_model_filled_from_the_files_is_the_whole_4bit_load_bit_for_bit(double_quant, dtype):
+    """FSDP + QLoRA's load, without the cut: every weight bitsandbytes quantises is read whole, packed by the same
+    call from_pretrained makes, and kept with its QuantState; the layers it leaves are fp32 as k-bit preparation
+    leaves them (bf16: read as bf16 first, as from_pretrained reads them). The state dict carries the packed bytes
+    and every scale (Linear4bit saves its QuantState)."""
+    cfg = TrainConfig(eval_file=None, seq_len=64, quantization="nf4", double_quant=double_quant, dtype=dtype)
+    *_, whole = prepare_run(cfg, SingleDevice())
+    *_, model = prepare_run(cfg, ShardLoadingSingle())
+    assert sharded_load.is_pending(model) and all(p.is_meta for p in model.parameters())
+    assert count_parameters(model) == count_parameters(whole)
+    report = sharded_load.fill(model, "cpu")
+    ref, got = whole.state_dict(), model.state_dict()
+    assert sorted(ref) == sorted(got) and sum("absmax" in k for k in ref) > 0 and sum("lora_" in k for k in ref) > 0
+    assert [k for k in ref if not torch.equal(ref[k], got[k])] == []
+    assert {k: v.dtype for k, v in ref.items()} == {k: v.dtype for k, v in got.items()}
+    flags = ("is_quantized", "quantization_method", "is_loaded_in_4bit")  # what PEFT and k-bit preparation read
+    base, ref_base = model.causal_lm, whole.causal_lm
+    assert [getattr(base, k) for k in flags] == [getattr(ref_base, k) for k in flags] == [True, "bitsandbytes", True]
+    assert base.config.quantization_config.to_dict() == ref_base.config.quantization_config.to_dict()
+    held = sum(t.numel() * t.element_size() for t in [*whole.parameters(), *whole.buffers(),
+                                                       *{id(t): t for t in quant_state_tensors(whole)}.values()])
+    assert report["bytes_held"] == held
     assert report["bytes_read"] == sum(file_tensor_bytes().values())

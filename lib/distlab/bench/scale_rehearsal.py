@@ -1,7 +1,7 @@
 """A scale rehearsal: every strategy for 2 steps of the Qwen2.5-0.5B shape on 2 CPU ranks, each rank's
 memory at load and in a step beside the planner's. A benchmark, not a timed test.
 
-    python -m distlab.bench.scale_rehearsal [--strategies fsdp,zero3] [--modes lora,full] [--out figures]
+    python -m distlab.bench.scale_rehearsal [--strategies fsdp,zero3] [--modes lora,full,qlora] [--out figures]
 
 The model is the 0.5B preset saved once as a safetensors folder in bf16 (distlab.models.random_preset_folder),
 so the strategies that read slices do (distlab.sharded_load). Each run is a fresh torchrun launch (one core per
@@ -18,8 +18,10 @@ tensors (its mmap threshold rises after the first large free), and a step adds a
 collectives' scratch. The load is what the planner must get right; the step's ratio says how far a CPU
 run's RSS is from the bytes planned.
 
-Full fine-tuning runs where this machine's memory allows: the planned step of every rank together under
-half of the memory available now, else its row says so. The suite runs it on the tiny model
+QLoRA (a 4-bit NF4 base, LoRA on it) runs where a 4-bit base can: one device, DDP (each rank quantises the
+whole model as from_pretrained loads it) and FSDP (each rank packs one weight at a time and keeps its share:
+distlab.sharded_load). Full fine-tuning runs where this machine's memory allows: the planned step of every
+rank together under half of the memory available now, else its row says so. The suite runs it on the tiny model
 (tests/launches/test_scale_rehearsal.py).
 """
 
@@ -33,13 +35,14 @@ import pandas as pd
 import psutil
 
 from distlab.cli import UsageError, run_main
+from distlab.config import QUANTISED_STRATEGIES
 from distlab.launch.process import RunFailed
 from distlab.planning.load import plan_load
 from distlab.planning.plan import plan_memory
 from distlab.provenance import save_table, stamp
 
 STRATEGIES = ("single", "ddp", "zero2", "fsdp", "zero3", "tp", "fsdp_tp", "pipeline", "ds_pipeline")
-MODES = ("lora", "full")
+MODES = ("lora", "full", "qlora")
 PRESET = "qwen2.5-0.5b-random"
 TABLE = "scale_rehearsal.csv"
 RUN = {"dtype": "fp32", "device": "cpu", "seq_len": 128, "packing": True, "micro_batch_size": 1,
@@ -56,8 +59,8 @@ def rehearsal_folder(model: str | None) -> Path:
 
 
 def planned(shape: dict, strategy: str, world: int, mode: str, rank: int, checkpoint_bytes: float) -> dict:
-    kw = dict(dtype="fp32", lora_r=RUN["lora_r"] if mode == "lora" else None, micro_batch=RUN["micro_batch_size"],
-              seq_len=RUN["seq_len"], rank=rank)
+    kw = dict(dtype="nf4" if mode == "qlora" else "fp32", lora_r=None if mode == "full" else RUN["lora_r"],
+              micro_batch=RUN["micro_batch_size"], seq_len=RUN["seq_len"], rank=rank)
     load = plan_load(shape, strategy=strategy, world_size=world, on_gpu=False, checkpoint_bytes=checkpoint_bytes,
                      **kw)
     step = plan_memory(shape, strategy=strategy, world_size=world, **kw)
@@ -76,6 +79,8 @@ def rehearse(model: str | None = None, strategies=STRATEGIES, modes=MODES, steps
     rows = []
     for mode in modes:
         for strategy in strategies:
+            if mode == "qlora" and strategy not in QUANTISED_STRATEGIES:
+                continue  # a 4-bit base runs on one device, DDP and FSDP only (distlab.config refuses the others)
             # fsdp_tp needs two tensor-parallel groups of 2: 4 ranks, 2 cores each oversubscribed (memory, not time)
             world = 1 if strategy == "single" else 4 if strategy == "fsdp_tp" else nproc
             plans = [planned(shape, strategy, world, mode, r, checkpoint_bytes) for r in range(world)]
@@ -85,7 +90,8 @@ def rehearse(model: str | None = None, strategies=STRATEGIES, modes=MODES, steps
                              f"planned {need / 2**30:.1f} GiB for {world} ranks, over half the "
                              f"{psutil.virtual_memory().available / 2**30:.1f} GiB available"})
                 continue
-            overrides = {**RUN, "model": str(folder), "strategy": strategy, "lora": mode == "lora", "max_steps": steps}
+            overrides = {**RUN, "model": str(folder), "strategy": strategy, "lora": mode != "full", "max_steps": steps,
+                         "quantization": "nf4" if mode == "qlora" else "none"}
             if strategy == "fsdp_tp":
                 overrides["tp_size"] = 2
             try:

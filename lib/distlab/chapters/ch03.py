@@ -375,6 +375,15 @@ def launch_qlora(common: Mapping, nproc: int, steps: int, timeout_s: float) -> d
             for strategy, n in (("single", 1), ("fsdp", nproc))}
 
 
+def weights_file_mib(model: str | None) -> float:
+    """MiB of the safetensors files a QLoRA run of `model` reads (a random preset: the folder it is saved to)."""
+    from distlab import sharded_load  # deferred: it imports the training stack
+    from distlab.config import TrainConfig
+
+    folder = sharded_load.weights_folder(TrainConfig(model=model, **QLORA))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
+
+
 def qlora_bytes_table(records: Mapping[str, Mapping[int, Mapping]], model_config, nproc: int) -> pd.DataFrame:
     """Per run and rank, MiB measured and planned for each state component (the 4-bit base under "weights":
     packed values, their constants and the unquantised tensors), and host memory before and at the peak of

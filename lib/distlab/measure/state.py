@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from distlab import compat
+from distlab.models import quant_state_parts
 from distlab.results.schema import MemoryBreakdown
 
 # ----------------------------------------------------------------------------- counting storages
@@ -67,10 +68,7 @@ def quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     out = []
     holders = [*model.parameters(), *(m for m in model.modules() if getattr(m, "quant_state", None) is not None)]
     for holder in holders:
-        state = getattr(holder, "quant_state", None)
-        while state is not None:  # a double-quantised state holds its scales' own state (state2)
-            out += [v for v in vars(state).values() if torch.is_tensor(v)]
-            state = getattr(state, "state2", None)
+        out += quant_state_parts(getattr(holder, "quant_state", None))
         if torch.is_tensor(getattr(holder, "SCB", None)):
             out.append(holder.SCB)
     return out

@@ -6,16 +6,19 @@ strategies.zero, strategies.staged):
 
   path         strategies                         device, at the worst moment of loading
   whole        single, ddp, zero2; and fsdp, tp,  the whole model; fsdp, tp and fsdp_tp also the shards of
-               fsdp_tp for a quantised base or a  the layer being cut (its whole tensors are freed once cut,
+               fsdp_tp for an int8 base or a      the layer being cut (its whole tensors are freed once cut,
                folder without safetensors         one layer after another)
   stage        pipeline, ds_pipeline              its stage (the other stages are dropped on the host)
-  slices       fsdp, tp, fsdp_tp                  its own slices (allocated empty, filled slice by slice)
+  slices       fsdp, tp, fsdp_tp                  its own slices (allocated empty, filled slice by slice); over
+                                                  a 4-bit base (fsdp), also one whole weight being packed
   partitioned  zero3                              its partition, plus one module's tensors gathered whole to be
                                                   filled
 
-A quantised base is quantised by bitsandbytes inside from_pretrained: every rank holds the whole 4-bit
-replica before FSDP divides it (FSDP + QLoRA loads whole, in distlab as in from_pretrained), plus one
-tensor in the checkpoint's dtype, about to be packed.
+A quantised base loaded whole is quantised by bitsandbytes inside from_pretrained: the whole quantised replica,
+plus one tensor in the checkpoint's dtype about to be packed. FSDP over a 4-bit base (FSDP + QLoRA) reads each
+quantised weight whole instead, one at a time, packs it on the device in the run's dtype and keeps its rows of
+the packed bytes (distlab.sharded_load): beyond its share, a rank holds one weight in the run's dtype and its
+packed bytes. On a CPU, bitsandbytes' kernel also allocates QUANTISE_SCRATCH_BYTES per element while it packs.
 
 The host side, per rank: a safetensors checkpoint is memory-mapped, and the pages a rank reads count in its
 resident memory, in the file's dtype: all of it (whole, stage; partitioned: rank 0 alone reads the values,
@@ -30,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.config import PIPELINE_STRATEGIES
-from distlab.planning.plan import largest_held, plan_memory, quantisation_of, resolve_precision
+from distlab.planning.plan import is_quantised, largest_held, plan_memory, quantisation_of, resolve_precision
 from distlab.planning.shapes import config_value, parameter_count, parameter_layout
 
 SLICE_STRATEGIES = ("fsdp", "tp", "fsdp_tp")  # read only their slices from a safetensors checkpoint
@@ -39,13 +42,19 @@ WHOLE_KEYS = ("dtype", "weight_bytes", "trainable_bytes", "lora_r", "lora_target
               "activation_bytes")  # what the one-device plan of the whole model takes from the run's settings
 
 
-def load_path(strategy: str, *, quantised: bool = False, safetensors: bool = True) -> str:
-    """How `strategy` loads (the table above): "whole", "stage", "slices" or "partitioned"."""
+# bitsandbytes' CPU kernel packing one fp32 weight: its temporaries and output, bytes per element (measured on a
+# 4096 x 4096 fp32 weight, bitsandbytes 0.50: 10.2; a bf16 weight adds its fp32 copy, 4 more)
+QUANTISE_SCRATCH_BYTES = 10
+
+
+def load_path(strategy: str, *, quantization: str | None = None, safetensors: bool = True) -> str:
+    """How `strategy` loads (the table above): "whole", "stage", "slices" or "partitioned". `quantization`:
+    the base's bitsandbytes format ("nf4", "int8"), None for a float base."""
     if strategy in PIPELINE_STRATEGIES:
         return "stage"
-    if strategy in SLICE_STRATEGIES and not quantised and safetensors:
+    if strategy in SLICE_STRATEGIES and quantization in (None, "nf4") and safetensors:
         return "slices"
-    if strategy == "zero3" and not quantised:
+    if strategy == "zero3" and quantization is None:
         return "partitioned"
     return "whole"
 
@@ -72,7 +81,8 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
     one = plan_memory(config, strategy="single", **{k: v for k, v in plan_kwargs.items() if k in WHOLE_KEYS})
     kept, whole = step.weights + step.adapter_weights, one.weights + one.adapter_weights
     lora = bool(plan_kwargs.get("lora_r"))
-    quantised = quantisation_of(plan_kwargs.get("dtype"), plan_kwargs.get("weight_bytes")) is not None
+    quantization = quantisation_of(plan_kwargs.get("dtype"), plan_kwargs.get("weight_bytes"))
+    quantised = quantization is not None
     prec = resolve_precision(strategy, plan_kwargs.get("dtype"), lora=lora,
                              optimizer=plan_kwargs.get("optimizer", "adamw"),
                              weight_bytes=plan_kwargs.get("weight_bytes"),
@@ -81,8 +91,19 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
     value_bytes = prec.weight_bytes if lora else prec.trainable_bytes  # a base weight as the run holds it
     largest = max(p.numel for p in parameter_layout(config, None))  # elements of the largest tensor
     file_whole = parameter_count(config) * checkpoint_bytes
-    path = load_path(strategy, quantised=quantised, safetensors=safetensors)
-    if path == "slices":
+    path = load_path(strategy, quantization=quantization, safetensors=safetensors)
+    if path == "slices" and quantised:  # FSDP + QLoRA: the quantised weights read whole, one at a time
+        layout = parameter_layout(config, plan_kwargs.get("lora_r") or 1, plan_kwargs.get("lora_targets"))
+        unquantised = sum(p.numel for p in layout if not is_quantised(p) and "lora_" not in p.name)
+        packing = max(p.numel for p in layout if is_quantised(p))  # elements of the largest quantised weight
+        run_bytes = 2 if on_gpu else 4  # the dtype it is read as and packed from: bf16 on a GPU, fp32 on a CPU
+        pages = unquantised * checkpoint_bytes / world_size  # the unquantised tensors' slices, mapped
+        host = pages + packing * checkpoint_bytes  # the weight as the file holds it, read (not mapped)
+        if on_gpu:  # sent to the GPU in the run's dtype, and packed there
+            device = kept + packing * (run_bytes + 0.5)
+        else:  # one process: its cast to the run's dtype (if the file's differs) and the CPU kernel's temporaries
+            device = kept + packing * ((run_bytes if run_bytes != checkpoint_bytes else 0) + QUANTISE_SCRATCH_BYTES)
+    elif path == "slices":
         base_kept = step.weights + (0 if lora else step.adapter_weights)
         base_whole = one.weights + (0 if lora else one.adapter_weights)
         pages = file_whole * base_kept / base_whole

@@ -324,7 +324,7 @@ def parallelize(model: torch.nn.Module, strategy: Strategy, cfg, choice: DeviceC
     # 6. fill: only once every cut is made does a weightless model take memory: each rank allocates and reads from
     #    the files just the part the cuts left it (distlab.sharded_load.fill)
     if weightless:
-        sharded_load.fill(model, strategy.fill_device(choice, cfg), log_as=strategy.name)
+        sharded_load.fill(model, strategy.fill_device(choice, cfg), log_as=strategy.name, quantise_on=choice.device)
         transforms.append("fill")
     # 7. optimizer and schedule: over the parameters as they train (TP's slices, FSDP's shards, a stage's own), so
     #    after every cut and the fill; before the wrap, since DeepSpeed's engines take the optimizer (the pipeline

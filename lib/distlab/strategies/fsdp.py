@@ -18,8 +18,8 @@ state dict on rank 0 and writes a normal adapter or model folder that `from_pret
 
 Loading shards too: prepare_run builds a weightless model (on the meta device), `fully_shard` cuts it there,
 and each rank then allocates and reads from the files only its own shards (distlab.sharded_load; the order is
-distlab.strategies.base.parallelize's); no rank ever holds the whole model. Random presets and quantised bases
-still load whole, then shard.
+distlab.strategies.base.parallelize's); no rank ever holds the whole model. A 4-bit base (FSDP + QLoRA) is read
+one quantised weight at a time, packed, and cut. Random presets and int8 bases still load whole, then shard.
 
 The cut itself is `apply_fsdp` (fsdp_tp applies it along the "dp" dimension of its 2-D mesh), and the sharded
 checkpoint `save_sharded_state` / `load_sharded_state` (fsdp_tp's too).
