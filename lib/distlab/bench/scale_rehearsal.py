@@ -16,7 +16,9 @@ fsdp_tp needs two tensor-parallel pairs: it runs on 4 ranks, 2 cores oversubscri
 What RSS holds beyond the plan is the runtime's, not the model's: glibc keeps freed blocks of the gathered
 tensors (its mmap threshold rises after the first large free), and a step adds autograd's and the
 collectives' scratch. The load is what the planner must get right; the step's ratio says how far a CPU
-run's RSS is from the bytes planned.
+run's RSS is from the bytes planned. FSDP + QLoRA's load reads above its plan: each weight it packs leaves a
+little more resident memory than the rank keeps of it (freed buffers the allocator holds on to, most of which
+distlab.sharded_load.return_freed_memory gives back).
 
 QLoRA (a 4-bit NF4 base, LoRA on it) runs where a 4-bit base can: one device, DDP (each rank quantises the
 whole model as from_pretrained loads it) and FSDP (each rank packs one weight at a time and keeps its share:
