@@ -125,13 +125,18 @@ def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float
             **({"quantization_config": quantization} if quantization else {}))
     except pickle.UnpicklingError as e:
         raise refusal(folder, "model folder", e) from None
-    for module in loaded.modules():
-        # bitsandbytes 0.50's CPU inference path (a no-grad forward on an AVX512-BF16 CPU) repacks a 4-bit weight
-        # in place on first use, and asserts out_features % 32 == 0: the tiny model's 688-wide FFN fails it, and
-        # an evaluation between training steps would change the layout (and the bytes) the training step reads.
+    keep_4bit_layout(loaded)
+    return loaded
+
+
+def keep_4bit_layout(model) -> None:
+    """Switch off bitsandbytes 0.50's CPU repacking: its inference path (a no-grad forward on an AVX512-BF16 CPU)
+    repacks a 4-bit weight in place on first use, and asserts out_features % 32 == 0: the tiny model's 688-wide
+    FFN fails it, and an evaluation between training steps would change the layout (and the bytes) the training
+    step reads."""
+    for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    return loaded
 
 
 def random_preset_folder(name: str, seed: int = 0) -> str:

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from distlab.attention import resolve
 from distlab.model_build import quiet_hf
-from distlab.models import RANDOM_PRESETS, quant_state_parts, random_preset_folder, resolve_model
+from distlab.models import RANDOM_PRESETS, keep_4bit_layout, quant_state_parts, random_preset_folder, resolve_model
 
 
 def whole_model_reason(cfg) -> str | None:
@@ -151,9 +151,7 @@ def _quantised_layers(lm, quantization, dtype: torch.dtype) -> None:
         quantizer.preprocess_model(lm, dtype=dtype, device_map=None)
     lm.hf_quantizer = quantizer
     quantizer.postprocess_model(lm)
-    for module in lm.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False  # as distlab.models.load_model: no repacking on the CPU
+    keep_4bit_layout(lm)  # as distlab.models.load_model does after a whole load
 
 
 def is_4bit(t: torch.Tensor) -> bool:
@@ -277,12 +275,12 @@ def _quantise_into(local: torch.Tensor, index: tuple, whole: torch.Tensor, setti
     import bitsandbytes  # deferred: only a 4-bit base needs it
 
     packed, state = bitsandbytes.functional.quantize_4bit(
-        whole.to(device=device, dtype=load_dtype).contiguous(), **{k: settings[k] for k in QUANT_SETTINGS})
+        whole.to(device=device, dtype=load_dtype).contiguous(), **settings)
     local.copy_(packed[index])
     layer.quant_state = state  # where Linear4bit's forward finds it for a weight FSDP gathers (a plain tensor)
     if not sharded:  # a weight no strategy cut: a 4-bit parameter again, as a whole load leaves it
         layer.weight = bitsandbytes.nn.Params4bit(local.detach(), requires_grad=False, quant_state=state, module=layer,
-                                                  bnb_quantized=True, **{k: settings[k] for k in QUANT_SETTINGS})
+                                                  bnb_quantized=True, **settings)
     return state
 
 

@@ -93,6 +93,7 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
     file_whole = parameter_count(config) * checkpoint_bytes
     path = load_path(strategy, quantization=quantization, safetensors=safetensors)
     if path == "slices" and quantised:  # FSDP + QLoRA: the quantised weights read whole, one at a time
+        # with adapters, so the base is frozen: bitsandbytes quantises frozen projections only (QLoRA is LoRA)
         layout = parameter_layout(config, plan_kwargs.get("lora_r") or 1, plan_kwargs.get("lora_targets"))
         unquantised = sum(p.numel for p in layout if not is_quantised(p) and "lora_" not in p.name)
         packing = max(p.numel for p in layout if is_quantised(p))  # elements of the largest quantised weight
