@@ -254,3 +254,15 @@ def test_make_deepspeed_op_without_a_compiler_ends_with_one_line(tmp_path, bare_
     assert optional.stdout.strip().splitlines()[-1].startswith("skipped: DeepSpeed's communication op cannot be "
                                                                "compiled here: no C++ compiler")
     assert not (tmp_path / "cold" / ds.SHM_OP / f"{ds.SHM_OP}.so").exists()
+
+
+def test_each_environment_keeps_its_own_build(monkeypatch, tmp_path):
+    # A build's build.ninja names its environment's torch and DeepSpeed sources: another clone's venv finding it
+    # would compile again (and fail where no compiler is), so the cache folder is the environment's own.
+    for var in ("TORCH_EXTENSIONS_DIR", "DISTLAB_TORCH_EXTENSIONS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    here = ds.extensions_dir()
+    assert here == ds.extensions_dir()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-clone" / ".venv"))
+    assert ds.extensions_dir() != here
+    assert ds.extensions_dir().parent == here.parent

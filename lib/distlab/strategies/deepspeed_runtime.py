@@ -20,6 +20,7 @@ micro-batch x accumulation x data-parallel size, so it agrees with what the loop
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import logging
 import os
@@ -57,8 +58,11 @@ class DeepSpeedOpError(ValueError):
 
 def extensions_dir() -> Path:
     """Where torch caches JIT-built C++ extensions for distlab: $TORCH_EXTENSIONS_DIR if set, else
-    $DISTLAB_TORCH_EXTENSIONS_DIR, else ~/.cache/distlab/torch_extensions/<python-torch-deepspeed>
-    (a build is only valid for the versions it was compiled against)."""
+    $DISTLAB_TORCH_EXTENSIONS_DIR, else ~/.cache/distlab/torch_extensions/<python-torch-deepspeed-env>.
+    A build is only valid for the versions it was compiled against and for the environment it was
+    compiled in: its build.ninja names the environment's torch and DeepSpeed sources, and torch compiles
+    again whenever another environment's paths stand there (which fails where no compiler is), so two
+    clones or venvs on one machine keep builds of their own."""
     for var in ("TORCH_EXTENSIONS_DIR", "DISTLAB_TORCH_EXTENSIONS_DIR"):
         if os.environ.get(var):
             return Path(os.environ[var])
@@ -66,7 +70,9 @@ def extensions_dir() -> Path:
         ds = metadata.version("deepspeed")
     except metadata.PackageNotFoundError:
         ds = "none"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-deepspeed{ds}"
+    env = hashlib.sha256(str(Path(sys.prefix).resolve()).encode()).hexdigest()[:8]
+    tag = (f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}"
+           f"-deepspeed{ds}-env{env}")
     return Path.home() / ".cache" / "distlab" / "torch_extensions" / tag
 
 
