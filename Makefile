@@ -10,7 +10,8 @@ PYTEST_ARGS ?=
 # FORCE=1: execute every chapter, not only those whose inputs changed since their last execution.
 REGEN_ARGS := --profile $(PROFILE) $(if $(FORCE),--force,)
 
-.PHONY: all env test test-fast test-attendee lint book notebooks site publish lock clean help deepspeed-op debian models benchmarks
+.PHONY: all env test test-fast test-attendee lint book notebooks site publish lock clean help deepspeed-op debian models \
+	model-tiny model-smollm2 test-prerequisites benchmarks
 
 help:
 	@echo "make book   - set up, run every notebook whose inputs changed (papermill), build the Jupyter Book site"
@@ -65,11 +66,22 @@ debian:
 # The default model is a tiny Qwen2 pretrained here on first use (a few minutes, once, cached in build/models/);
 # SmolLM2-135M-Instruct is converted once from the GGUF file its package carries (about 25 s). Both are built up
 # front so that no notebook kernel or torchrun rank builds one inside its own time limit.
-models: $(STAMP)
+models: model-tiny model-smollm2
+
+model-tiny: $(STAMP)
 	$(PY) -c 'from distlab.tiny_base import build_default_model; build_default_model()'
+
+model-smollm2: $(STAMP)
 	$(PY) -c 'from distlab.pretrained import build_smollm2; build_smollm2()'
 
-test: $(STAMP) debian deepspeed-op models lint
+# What the suite needs, two at a time: on a fresh machine the tiny base's pretraining holds one core for about
+# five minutes (one thread: its weights depend on the thread count), and the other core installs the Debian
+# packages, builds DeepSpeed's op, converts SmolLM2 and lints meanwhile. Each target's output is printed whole
+# when it ends (--output-sync), so two never interleave.
+test-prerequisites: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target debian deepspeed-op models lint
+
+test: test-prerequisites
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The everyday tier: lint, then tests/unit less its tests marked `slow` (in-process work over the 5 s an unmarked
