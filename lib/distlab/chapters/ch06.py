@@ -331,8 +331,12 @@ def plot_batch_sweep(sweep: pd.DataFrame, stages: int, path, provenance: dict) -
     for b, mb, y in zip(sweep["batch_size"], sweep["micro_batches"], sweep["per_token_s"] * 1e3):
         axes[1].annotate(f"{mb} in flight", (b, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
     axes[1].legend(fontsize=8)
+    # headroom above the highest point and room right of the last, so the "in flight" labels stay inside
+    top = max(sweep["ttft_s"].max(), sweep["per_token_s"].max()) * 1e3
+    axes[1].set_ylim(0, 1.25 * top)
     for ax in axes:
         ax.set_xticks(list(sweep["batch_size"]))
+        ax.margins(x=0.12)
         ax.set_ylim(bottom=0)
     fig.tight_layout()
     out = save_figure(fig, path, provenance)
