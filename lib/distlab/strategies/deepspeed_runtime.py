@@ -2,10 +2,10 @@
 
 First use: DeepSpeed JIT-compiles a small C++ shared-memory communication op when its comm backend
 starts on a Linux CPU (about a minute on two cores). The build is cached in TORCH_EXTENSIONS_DIR, which
-this module points at a persistent per-machine folder (`extensions_dir()`) unless already set, and rank
-0 says so before it starts when the cache is cold. `make deepspeed-op` (`python -m
+this module points at a persistent folder of this machine and environment (`extensions_dir()`) unless
+already set, and rank 0 says so before it starts when the cache is cold. `make deepspeed-op` (`python -m
 distlab.strategies.deepspeed_runtime`, `prebuild_comm_op()`) builds it ahead of time; `make test` and
-`make book` do, so CI pays for it once per machine.
+`make book` do, so CI pays for it once per environment.
 
 Before DeepSpeed starts, a run checks what the build needs (`preflight`): a C++ compiler, Python's headers
 and ninja when the cache is cold, and no build lock left by a killed build (torch would wait for it
@@ -456,7 +456,7 @@ def pipeline_config(cfg, bf16: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m distlab.strategies.deepspeed_runtime",
-        description="Build DeepSpeed's shared-memory comm op into the per-machine cache (make deepspeed-op).")
+        description="Build DeepSpeed's shared-memory comm op into this environment's cache (make deepspeed-op).")
     parser.add_argument("--optional", action="store_true",
                         help="where the op cannot be built here, print why in one line and exit 0 (make book "
                              "goes on; the chapters skip their DeepSpeed runs with the same line)")
