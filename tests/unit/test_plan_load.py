@@ -1,7 +1,7 @@
 """The memory of loading (distlab.planning.load) and the verdicts that use it: the load path of each strategy (as
 prepare_run loads it), a sharded 4-bit base packing one weight at a time, ZeRO-3 holding one whole tensor beside
-its partition. Against real sharding (a Llama-2-7B on the meta device cut by FSDP2 over 2 gloo ranks):
-tests/launches/test_plan_load_runs.py; host memory at load: the scale rehearsal
+its partition (twice on a CPU, where gloo stages the gather). Against real sharding (a Llama-2-7B on the meta
+device cut by FSDP2 over 2 gloo ranks): tests/launches/test_plan_load_runs.py; host memory at load: the scale rehearsal
 (tests/launches/test_scale_rehearsal.py, python -m distlab.bench.scale_rehearsal).
 """
 
@@ -78,3 +78,17 @@ def test_zero3_holds_one_whole_tensor_beside_its_partition_while_loading():
     assert load.device - load.kept == largest
     assert load.host == shapes.parameter_count(shapes.LLAMA2_7B) * 2  # rank 0 maps the whole bf16 file
     assert plan_load(shapes.LLAMA2_7B, strategy="zero3", world_size=3, rank=1, dtype="bf16", lora_r=16).host == 0
+
+
+def test_zero3_on_a_cpu_holds_a_tied_heads_partition_and_gloos_second_copy_of_the_gathered_embedding():
+    """Qwen3-0.6B ties its LM head: zero.Init builds the head as a tensor of its own and partitions it (tied only
+    after loading), and gloo stages an all-gather's output in a buffer as large again. The embedding is the first
+    module filled, before rank 0 has read a page of the file: the worst moment of both ranks, and it is the same."""
+    vocab, h = shapes.QWEN3_06B["vocab_size"], shapes.QWEN3_06B["hidden_size"]
+    embedding = vocab * h * 4  # fp32
+    cpu = [plan_load(shapes.QWEN3_06B, strategy="zero3", world_size=2, rank=r, dtype="fp32", lora_r=16, on_gpu=False)
+           for r in (0, 1)]
+    gpu = plan_load(shapes.QWEN3_06B, strategy="zero3", world_size=2, rank=1, dtype="fp32", lora_r=16)
+    assert cpu[1].host == pytest.approx(cpu[1].kept + embedding / 2 + 2 * embedding, rel=1e-12)
+    assert cpu[0].host == cpu[1].host == cpu[1].device
+    assert gpu.device == pytest.approx(gpu.kept + embedding / 2 + embedding, rel=1e-12) and gpu.host == 0

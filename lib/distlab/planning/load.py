@@ -11,8 +11,9 @@ strategies.zero, strategies.staged):
   stage        pipeline, ds_pipeline              its stage (the other stages are dropped on the host)
   slices       fsdp, tp, fsdp_tp                  its own slices (allocated empty, filled slice by slice); over
                                                   a 4-bit base (fsdp), also one whole weight being packed
-  partitioned  zero3                              its partition, plus one module's tensors gathered whole to be
-                                                  filled
+  partitioned  zero3                              its partition (and a tied LM head's, built untied), plus one
+                                                  module's tensors gathered whole to be filled (twice that on
+                                                  a CPU: gloo stages the gather): `partitioned_peak`
 
 A quantised base loaded whole is quantised by bitsandbytes inside from_pretrained: the whole quantised replica,
 plus one tensor in the checkpoint's dtype about to be packed. FSDP over a 4-bit base (FSDP + QLoRA) reads each
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from distlab.config import PIPELINE_STRATEGIES
 from distlab.planning.plan import is_quantised, largest_held, plan_memory, quantisation_of, resolve_precision
-from distlab.planning.shapes import config_value, parameter_count, parameter_layout
+from distlab.planning.shapes import config_value, model_shape, parameter_count, parameter_layout
 
 SLICE_STRATEGIES = ("fsdp", "tp", "fsdp_tp")  # read only their slices from a safetensors checkpoint
 SHARDED_STRATEGIES = (*SLICE_STRATEGIES, "zero3")  # keep a part of every tensor
@@ -114,8 +115,8 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
         cast = 0.0 if on_gpu else largest_slice * checkpoint_bytes  # read in the file's dtype, then cast
         host = pages + cast
     elif path == "partitioned":  # transformers: rank 0 copies the values in while each module is gathered
-        device, pages = kept + largest * value_bytes, file_whole if rank in (None, 0) else 0.0
-        host = pages
+        device, host = partitioned_peak(config, kept, value_bytes, checkpoint_bytes, world_size,
+                                        reads_file=rank in (None, 0), on_gpu=on_gpu)
     elif path == "stage":
         device, pages = kept, file_whole
         host = pages + (whole if on_gpu else whole - kept)  # built whole on the host, the other stages dropped
@@ -125,9 +126,37 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
         device = whole + cutting + packing
         pages = file_whole
         host = pages + (whole if on_gpu and not quantised else 0.0)
-    if not on_gpu:
+    if not on_gpu and path != "partitioned":  # (partitioned_peak follows the one process's memory itself)
         host += device
     return LoadPeak(strategy, path, device, host, kept, whole)
+
+
+def partitioned_peak(config, kept: float, value_bytes: float, checkpoint_bytes: float, world_size: int,
+                     reads_file: bool, on_gpu: bool) -> tuple[float, float]:
+    """ZeRO-3's load as from_pretrained runs it under deepspeed.zero.Init: (device, host) at the worst moment.
+    Every tensor is built and partitioned at once; a tied LM head is built as a tensor of its own, partitioned
+    too, and dropped only when it is tied after loading. Then module after module, in the model's order, the
+    module's tensors are gathered whole, rank 0 copies their values in from the checkpoint (whose pages stay
+    mapped until the load ends) and they are partitioned again. Gloo's all-gather (a CPU run) stages its
+    output in a buffer of its own, as large again (measured: +1,040 MiB while one 519 MiB tensor is gathered);
+    NCCL gathers into the output. On a CPU the device is the host: the host value is the one process's peak."""
+    s = model_shape(config)
+    held = kept + (s["vocab"] * s["h"] * value_bytes / world_size if s["tied"] else 0.0)
+    modules: dict[str, int] = {}  # elements per module, in the order transformers fills them
+    for p in parameter_layout(config, None):
+        module = p.name.rsplit(".", 1)[0]
+        modules[module] = modules.get(module, 0) + p.numel
+    copies = 1 if on_gpu else 2
+    device = held + max(modules.values()) * value_bytes * copies
+    if on_gpu:
+        return device, (parameter_count(config) * checkpoint_bytes if reads_file else 0.0)
+    host, pages = held, 0.0
+    for numel in modules.values():
+        gathered = numel * value_bytes
+        host = max(host, held + pages + gathered * copies)  # while it is gathered
+        pages += numel * checkpoint_bytes if reads_file else 0.0
+        host = max(host, held + pages + gathered)  # while rank 0 copies its values in
+    return device, host
 
 
 def peak_bytes(config, *, strategy: str = "single", world_size: int = 1, **plan_kwargs) -> float:
