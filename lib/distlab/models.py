@@ -99,6 +99,16 @@ def quantization_config(quantization: str, double_quant: bool = True, compute_dt
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
+def import_model_class(model: str | Path | None = None) -> type:
+    """The transformers class `load_model` builds `model` with, imported (its module's code runs once per process).
+    Reads the folder's config.json, no weights."""
+    from transformers import AutoConfig, Qwen2Config  # deferred: transformers is slow to import
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # deferred: as above
+
+    config_class = Qwen2Config if model in RANDOM_PRESETS else type(AutoConfig.from_pretrained(resolve_model(model)))
+    return MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+
+
 def load_model(model: str | Path | None = None, dtype: torch.dtype = torch.float32,
                attn_implementation: str = "sdpa", seed: int = 0, quantization=None):
     """from_pretrained for names and folders; seeded random init for the RANDOM_PRESETS shapes.

@@ -173,7 +173,9 @@ def defer_weights(model: torch.nn.Module, folder: Path, load_dtype: torch.dtype)
             continue
         if t.numel() > 1 and not any(t.stride()):
             raise ValueError(f"{folder}: no tensor {file_key(name)!r} in the model's safetensors files")
-        extras[name] = t.detach().clone()  # LoRA adapters and non-persistent buffers: small
+        # LoRA adapters and non-persistent buffers (small): their values, kept without a copy (a freed copy would
+        # stay in the heap through the load), as swapping the parameter to meta below leaves this view intact
+        extras[name] = t.detach()
     for p in model.parameters():
         meta = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
         if id(p) in unpacked:  # models.count_parameters counts the weights a packed placeholder stands for
@@ -207,6 +209,8 @@ def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "",
     with contextlib.ExitStack() as stack:
         opened = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(files.values())}
         report["file_bytes"] = sum(path.stat().st_size for path in opened)
+        # packing a weight allocates and frees blocks of MBs between the small ones kept: each given back at once
+        stack.enter_context(large_blocks_returned() if pending.quantised else contextlib.nullcontext())
         with torch.no_grad():
             for name, t in named_tensors(model):
                 local = t.to_local() if isinstance(t, DTensor) else t

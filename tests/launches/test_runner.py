@@ -9,7 +9,9 @@ gone: in a container, orphans are re-parented to a PID 1 that may never reap the
 from __future__ import annotations
 
 import _thread
+import os
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -170,6 +172,28 @@ def test_keyboard_interrupt_kills_the_group(tmp_path):
         assert time.monotonic() - t0 < process.KILL_GRACE_S + 4
     finally:
         kill_leftovers(rec.procs)
+
+
+def test_a_ctrl_c_while_the_child_starts_still_kills_its_group(monkeypatch):
+    """The interrupt lands inside Popen, after the child exists and before the runner knows its pid: held back
+    until the pid is known, then raised where the handler that kills the group sees it."""
+    started: list[psutil.Process] = []
+    real_popen = process.subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        child = real_popen(*args, **kwargs)
+        started.append(psutil.Process(child.pid))
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does, at the worst moment
+        return child
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen_then_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            process.run(["sleep", "300"], timeout_s=60, echo=False)
+        assert len(started) == 1 and survivors(started) == []
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+    finally:
+        kill_leftovers(started)
 
 
 def test_orphans_of_a_leader_that_exits_are_killed(tmp_path):

@@ -261,6 +261,29 @@ def reap_and_run(cmd: Sequence[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
+class _SigintHold:
+    """Holds a SIGINT (Ctrl-C) back from its creation until `release()`, which gives it, if one came, to the
+    handler there was before (Python's raises KeyboardInterrupt there and then). Only the main thread receives
+    signals; elsewhere it holds nothing. A child started meanwhile keeps its own: exec resets a caught signal."""
+
+    def __init__(self) -> None:
+        self.came = False
+        self._previous = None
+        # (a handler installed outside Python reads as None: it is left alone)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            self._previous = signal.signal(signal.SIGINT, self._hold)
+
+    def _hold(self, signum, frame) -> None:
+        self.came = True
+
+    def release(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+            if self.came:
+                signal.raise_signal(signal.SIGINT)
+
+
 def run(
     cmd: Sequence[str],
     *,
@@ -295,15 +318,8 @@ def run(
     failed: dict[int, int] = {}
     pending_rank: list[int] = []
 
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, start_new_session=True, text=True, errors="replace", bufsize=1,
-    )
-    pgid = proc.pid  # start_new_session: the child leads its own group
-
     def pump() -> None:
-        assert proc.stdout is not None
+        assert proc is not None and proc.stdout is not None
         for raw in proc.stdout:
             line = raw.rstrip("\n")
             tail.append(line)
@@ -321,11 +337,22 @@ def run(
                 emit(line)
 
     reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
     timed_out = False
     seen: dict = {}  # pid -> psutil.Process of every descendant observed while the job ran
+    proc: subprocess.Popen | None = None
+    start = time.monotonic()
     deadline = start + timeout_s
+    # A Ctrl-C that comes before the child's group is known is held back, then raised inside the try: wherever
+    # an interrupt lands, the handler below that kills the group sees it.
+    hold = _SigintHold()
     try:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, text=True, errors="replace", bufsize=1,
+        )
+        pgid = proc.pid  # start_new_session: the child leads its own group
+        hold.release()
+        reader.start()
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -337,14 +364,19 @@ def run(
             except subprocess.TimeoutExpired:
                 track_tree(pgid, seen)
     except BaseException:  # KeyboardInterrupt from a notebook's stop button
-        kill_group(pgid, also=list(seen.values()))
-        proc.wait()
+        hold.release()
+        if proc is not None:
+            kill_group(proc.pid, also=list(seen.values()))
+            proc.wait()
         raise
     finally:
-        # Also on success: a rank or helper that outlived the leader must not survive.
-        kill_group(pgid, grace_s=KILL_GRACE_S if timed_out else 1.0, also=list(seen.values()))
-        proc.wait()
-        reader.join(timeout=5)
+        hold.release()
+        if proc is not None:
+            # Also on success: a rank or helper that outlived the leader must not survive.
+            kill_group(proc.pid, grace_s=KILL_GRACE_S if timed_out else 1.0, also=list(seen.values()))
+            proc.wait()
+        if reader.ident is not None:
+            reader.join(timeout=5)
         if log_file:
             log_file.close()
 

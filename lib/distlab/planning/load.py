@@ -10,16 +10,19 @@ strategies.zero, strategies.staged):
                folder without safetensors         one layer after another)
   stage        pipeline, ds_pipeline              its stage (the other stages are dropped on the host)
   slices       fsdp, tp, fsdp_tp                  its own slices (allocated empty, filled slice by slice); over
-                                                  a 4-bit base (fsdp), also one whole weight being packed
+                                                  a 4-bit base (fsdp), also one whole weight being packed; on the
+                                                  host, LoRA's adapters whole (drawn on every rank from one seed
+                                                  before the model is cut, read from until every slice is filled)
   partitioned  zero3                              its partition (and a tied LM head's, built untied), plus one
                                                   module's tensors gathered whole to be filled (twice that on
                                                   a CPU: gloo stages the gather): `partitioned_peak`
 
 A quantised base loaded whole is quantised by bitsandbytes inside from_pretrained: the whole quantised replica,
-plus one tensor in the checkpoint's dtype about to be packed. FSDP over a 4-bit base (FSDP + QLoRA) reads each
-quantised weight whole instead, one at a time, packs it on the device in the run's dtype and keeps its rows of
-the packed bytes (distlab.sharded_load): beyond its share, a rank holds one weight in the run's dtype and its
-packed bytes. On a CPU, bitsandbytes' kernel also allocates QUANTISE_SCRATCH_BYTES per element while it packs.
+plus the weight being packed (the largest is the worst): in the run's dtype, and its packed bytes. FSDP over a
+4-bit base (FSDP + QLoRA) reads each quantised weight whole instead, one at a time, packs it on the device in
+the run's dtype and keeps its rows of the packed bytes (distlab.sharded_load): beyond its share, a rank holds
+that same one weight being packed. On a CPU, bitsandbytes' kernel allocates QUANTISE_SCRATCH_BYTES per element
+while it packs, instead of the packed bytes.
 
 The host side, per rank: a safetensors checkpoint is memory-mapped, and the pages a rank reads count in its
 resident memory, in the file's dtype: all of it (whole, stage; partitioned: rank 0 alone reads the values,
@@ -90,21 +93,22 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
                              trainable_bytes=plan_kwargs.get("trainable_bytes"),
                              activation_bytes=plan_kwargs.get("activation_bytes"))
     value_bytes = prec.weight_bytes if lora else prec.trainable_bytes  # a base weight as the run holds it
-    largest = max(p.numel for p in parameter_layout(config, None))  # elements of the largest tensor
     file_whole = parameter_count(config) * checkpoint_bytes
     path = load_path(strategy, quantization=quantization, safetensors=safetensors)
-    if path == "slices" and quantised:  # FSDP + QLoRA: the quantised weights read whole, one at a time
+    if quantised:  # bitsandbytes packs the quantised weights one at a time, whichever way they arrive
         # with adapters, so the base is frozen: bitsandbytes quantises frozen projections only (QLoRA is LoRA)
         layout = parameter_layout(config, plan_kwargs.get("lora_r") or 1, plan_kwargs.get("lora_targets"))
-        unquantised = sum(p.numel for p in layout if not is_quantised(p) and "lora_" not in p.name)
         packing = max(p.numel for p in layout if is_quantised(p))  # elements of the largest quantised weight
         run_bytes = 2 if on_gpu else 4  # the dtype it is read as and packed from: bf16 on a GPU, fp32 on a CPU
+        # on a GPU: the weight in the run's dtype and its packed bytes; in one CPU process: its cast to the run's
+        # dtype (if the file's differs) and the CPU kernel's temporaries
+        packing_bytes = packing * (run_bytes + 0.5) if on_gpu else \
+            packing * ((run_bytes if run_bytes != checkpoint_bytes else 0) + QUANTISE_SCRATCH_BYTES)
+    if path == "slices" and quantised:  # FSDP + QLoRA: the quantised weights read whole, one at a time
+        unquantised = sum(p.numel for p in layout if not is_quantised(p) and "lora_" not in p.name)
         pages = unquantised * checkpoint_bytes / world_size  # the unquantised tensors' slices, mapped
         host = pages + packing * checkpoint_bytes  # the weight as the file holds it, read (not mapped)
-        if on_gpu:  # sent to the GPU in the run's dtype, and packed there
-            device = kept + packing * (run_bytes + 0.5)
-        else:  # one process: its cast to the run's dtype (if the file's differs) and the CPU kernel's temporaries
-            device = kept + packing * ((run_bytes if run_bytes != checkpoint_bytes else 0) + QUANTISE_SCRATCH_BYTES)
+        device = kept + packing_bytes
     elif path == "slices":
         base_kept = step.weights + (0 if lora else step.adapter_weights)
         base_whole = one.weights + (0 if lora else one.adapter_weights)
@@ -121,11 +125,12 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
         device, pages = kept, file_whole
         host = pages + (whole if on_gpu else whole - kept)  # built whole on the host, the other stages dropped
     else:  # whole
-        packing = largest * checkpoint_bytes if quantised else 0.0  # one tensor unpacked, about to be quantised
         cutting = kept / config_value(config, "num_hidden_layers") if strategy in SHARDED_STRATEGIES else 0.0
-        device = whole + cutting + packing
+        device = whole + cutting + (packing_bytes if quantised else 0.0)
         pages = file_whole
         host = pages + (whole if on_gpu and not quantised else 0.0)
+    if path == "slices" and lora:  # the adapters as drawn, whole (distlab.sharded_load.defer_weights keeps them)
+        host += one.adapter_weights
     if not on_gpu and path != "partitioned":  # (partitioned_peak follows the one process's memory itself)
         host += device
     return LoadPeak(strategy, path, device, host, kept, whole)
