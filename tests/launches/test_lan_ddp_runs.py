@@ -39,7 +39,6 @@ def test_compressed_ddp_trains_close_to_fp32_with_the_expected_bytes(tmp_path):
     logs = {name: read_log(job.log) for name, job in jobs.items()}
     loss = {name: [s["loss"] for s in steps] for name, steps in logs.items()}
     assert all(len(v) == 5 and all(map(math.isfinite, v)) for v in loss.values()), loss
-    assert loss["t_none"][-1] < loss["t_none"][0]  # it trains at all
     assert loss["t_fp16"] == pytest.approx(loss["t_none"], rel=FP16_REL)
     assert loss["t_fp16_untimed"] == loss["t_fp16"]  # the timer around the hook changes nothing it computes
     assert loss["t_bf16"] == pytest.approx(loss["t_none"], rel=BF16_REL)
@@ -50,6 +49,8 @@ def test_compressed_ddp_trains_close_to_fp32_with_the_expected_bytes(tmp_path):
     assert loss["t_psgd"][plain] != pytest.approx(loss["t_none"][plain], rel=FP16_REL), loss
     evals = {name: [e["eval_loss"] for e in read_log(jobs[name].log, "eval")] for name in ("t_none", "t_psgd")}
     gain = {name: v[0] - v[-1] for name, v in evals.items()}
+    # it trains at all: on the same held-out rows (the training losses of step 1 and step 5 are of other batches,
+    # and which is lower depends on the base this machine pretrained)
     assert evals["t_psgd"][0] == evals["t_none"][0] and gain["t_none"] > 0, evals
     assert gain["t_psgd"] >= POWERSGD_MIN_GAIN * gain["t_none"], evals
     steady = {name: [s["comm_bytes"] for s in steps if s["step"] > schema.WARMUP_STEPS]

@@ -15,6 +15,7 @@ import signal
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -156,7 +157,18 @@ def test_timeout_returns_promptly_when_the_job_stops_on_sigterm():
     assert time.monotonic() - t0 < 1 + process.KILL_GRACE_S - 2
 
 
-def test_keyboard_interrupt_kills_the_group(tmp_path):
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C as a terminal or a notebook's stop button meets it: Python's own handler (KeyboardInterrupt), whatever
+    an earlier test in this process left installed; that one is put back afterwards, and named in a warning."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    if previous is not signal.default_int_handler:
+        warnings.warn(f"an earlier test left SIGINT handled by {previous!r}")
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_kills_the_group(tmp_path, ctrl_c_raises):
     def interrupt_when_ready(line):
         if line == "READY":
             _thread.interrupt_main()  # what a notebook's stop button does
@@ -174,7 +186,7 @@ def test_keyboard_interrupt_kills_the_group(tmp_path):
         kill_leftovers(rec.procs)
 
 
-def test_a_ctrl_c_while_the_child_starts_still_kills_its_group(monkeypatch):
+def test_a_ctrl_c_while_the_child_starts_still_kills_its_group(monkeypatch, ctrl_c_raises):
     """The interrupt lands inside Popen, after the child exists and before the runner knows its pid: held back
     until the pid is known, then raised where the handler that kills the group sees it."""
     started: list[psutil.Process] = []
