@@ -6,8 +6,10 @@ stay equal on every DDP rank; the config accepts them only where they work."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import multiprocessing
+import time
 
 import pytest
 import torch
@@ -256,7 +258,8 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
     model = tiny_model(seed=rank)  # rank 1 starts from other weights: DDP's broadcast replaces them
     opt = make_master_weight_optimizer(groups(model.parameters()), **ADAMW)  # built before the wrap, as parallelize
     ddp = DistributedDataParallel(model)
@@ -270,6 +273,10 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
         opt.zero_grad(), ref_opt.zero_grad()
     torch.save({"masters": opt.master_params, "ref": in_group_order(ref),
                 "weights": [p.detach() for p in model.parameters()]}, f"{out}.{rank}")
+    # DDP goes before its group: freed after destroy_process_group, its reducer drops the group's last
+    # reference with the GIL held, and the destructor joins a gloo worker thread that may be waiting for the
+    # GIL to free a finished all-reduce (a deadlock: 4 runs in 16 here hung in that join)
+    del ddp
     dist.destroy_process_group()
 
 
@@ -278,11 +285,18 @@ def test_under_ddp_every_rank_holds_the_same_masters_exactly_fp32_adamw_of_the_r
     ctx = multiprocessing.get_context("spawn")
     ranks = [ctx.Process(target=_ddp_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "out")))
              for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(120)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    try:
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 120
+        for p in ranks:
+            p.join(max(0.0, deadline - time.monotonic()))
+        assert [p.exitcode for p in ranks] == [0, 0], "a rank failed, or was still running after 120 s"
+    finally:  # a hung rank is killed here: left alive, multiprocessing's exit handler would wait for it forever
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+                p.join()
     r0, r1 = (torch.load(tmp_path / f"out.{r}", weights_only=True) for r in range(2))
     assert_equal(r0["masters"], r1["masters"])
     assert_equal(r0["weights"], r1["weights"])
