@@ -74,11 +74,12 @@ model-tiny: $(STAMP)
 model-smollm2: $(STAMP)
 	$(PY) -c 'from distlab.pretrained import build_smollm2; build_smollm2()'
 
-# What the suite needs, two at a time: on a fresh machine the tiny base's pretraining holds one core for about
-# five minutes (one thread: its weights depend on the thread count), and the other core installs the Debian
-# packages, builds DeepSpeed's op, converts SmolLM2 and lints meanwhile. Each target's output is printed whole
-# when it ends (--output-sync), so two never interleave.
-test-prerequisites: $(STAMP)
+# What the suite needs, two at a time: on a fresh machine the Debian packages install while pip fills the virtual
+# environment (neither needs the other); then the tiny base's pretraining holds one core for about five minutes
+# (one thread: its weights depend on the thread count), and the other core builds DeepSpeed's op, converts
+# SmolLM2 and lints meanwhile. Each target's output is printed whole when it ends (--output-sync), so two never
+# interleave.
+test-prerequisites:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target debian deepspeed-op models lint
 
 test: test-prerequisites
