@@ -4,7 +4,9 @@ default model is built once per machine (cached under build/models)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 import psutil
@@ -40,6 +42,15 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     report = yield
     return tiers.hold_to_the_limit(item, report, UNMARKED_LIMIT_S)
+
+
+def pytest_unconfigure(config):
+    """A child process a test left running would hold the suite's exit for ever (multiprocessing's exit handler
+    joins every non-daemon child): CI once ran out of time so, after a test with a hung rank had failed. Kill them."""
+    for child in multiprocessing.active_children():
+        print(f"[conftest] killed {child.name} (pid {child.pid}): a test left it running", file=sys.stderr)
+        child.kill()
+        child.join()
 
 
 @pytest.fixture(scope="session")

@@ -93,3 +93,14 @@ def test_a_test_outside_every_tier_is_refused(planted):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_loose.py::test_loose: a test sits in one of tests/{unit,launches,notebooks,"
                                  "clusters}/ (tests/tiers.py says which)"])
+
+
+def test_a_child_process_a_test_left_running_is_killed_at_the_end(planted):
+    """Else multiprocessing's exit handler waits for it: the suite never ends (CI ran out of time so once)."""
+    (planted.path / "unit" / "test_planted_unit.py").write_text(
+        "import multiprocessing, time\n\n\n"
+        "def test_leaves_a_child():\n"
+        "    multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,), name='sleeper').start()\n")
+    result = planted.runpytest_subprocess("-p", "no:cacheprovider", "unit", timeout=120)
+    result.assert_outcomes(passed=1)
+    result.stderr.fnmatch_lines(["[[]conftest[]] killed sleeper (pid *): a test left it running"])
