@@ -95,12 +95,14 @@ def test_a_test_outside_every_tier_is_refused(planted):
                                  "clusters}/ (tests/tiers.py says which)"])
 
 
-def test_a_child_process_a_test_left_running_is_killed_at_the_end(planted):
-    """Else multiprocessing's exit handler waits for it: the suite never ends (CI ran out of time so once)."""
+def test_a_child_process_a_test_left_running_is_killed_at_the_end(planted, monkeypatch):
+    """Else multiprocessing's exit handler waits for it: the suite never ends (CI ran out of time so once). Run in
+    a process of its own, whose exit is the point."""
+    monkeypatch.setenv("PYTHONPATH", str(CONFTEST.parent))  # tests/tiers.py, which the conftest imports
     (planted.path / "unit" / "test_planted_unit.py").write_text(
         "import multiprocessing, time\n\n\n"
         "def test_leaves_a_child():\n"
         "    multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,), name='sleeper').start()\n")
-    result = planted.runpytest_subprocess("-p", "no:cacheprovider", "unit", timeout=120)
+    result = planted.runpytest_subprocess("-p", "no:cacheprovider", "unit", timeout=60)
     result.assert_outcomes(passed=1)
     result.stderr.fnmatch_lines(["[[]conftest[]] killed sleeper (pid *): a test left it running"])
