@@ -10,9 +10,12 @@ big for one device cannot even start). The way round it, in three steps:
   2. shard it on meta: `fully_shard` and the tensor-parallel plan only decide who holds which slice,
      which needs shapes, not values (strategies.base.parallelize);
   3. allocate only this rank's slices (`to_empty`) and fill each one from the safetensors files,
-     reading just that slice of each tensor (`safe_open(...).get_slice`), one tensor at a time
-     (`fill`). A DTensor says which slice it holds (its offsets and sizes, as
-     torch.distributed.checkpoint asks for them), so the same reader serves fsdp, tp and fsdp_tp.
+     reading just that slice of each tensor with plain reads at its offsets in the file (`read_part`), one
+     tensor at a time (`fill`). Not through a memory map: the pages of a mapped file that a rank touches
+     count in its resident memory while the file is open, and how many the kernel maps around each one
+     depends on what the page cache holds (the same FSDP QLoRA load held 630 or 714 MiB per rank here).
+     A DTensor says which slice it holds (its offsets and sizes, as torch.distributed.checkpoint asks for
+     them), so the same reader serves fsdp, tp and fsdp_tp.
 
 What is not in the files is kept, small, on the CPU from step 1: the LoRA adapters (initialised from the
 seeded random generator in exactly the order a whole load draws them, so every strategy starts from
@@ -39,7 +42,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,9 +211,9 @@ def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "",
         torch.__future__.set_swap_module_params_on_conversion(swap)
     files = weight_files(pending.folder)
     report = {"bytes_read": 0, "largest_read": 0, "bytes_held": 0, "file_bytes": 0}
+    headers = {path: read_header(path) for path in set(files.values())}
+    report["file_bytes"] = sum(path.stat().st_size for path in headers)
     with contextlib.ExitStack() as stack:
-        opened = {path: stack.enter_context(safe_open(str(path), framework="pt")) for path in set(files.values())}
-        report["file_bytes"] = sum(path.stat().st_size for path in opened)
         # packing a weight allocates and frees blocks of MBs between the small ones kept: each given back at once
         stack.enter_context(large_blocks_returned() if pending.quantised else contextlib.nullcontext())
         with torch.no_grad():
@@ -228,7 +233,7 @@ def fill(model: torch.nn.Module, device: torch.device | str, log_as: str = "",
                     del whole, state
                     return_freed_memory()
                 else:
-                    part = opened[files[key]].get_slice(key)[index]
+                    part = read_part(files[key], headers[files[key]], key, index)
                     # as from_pretrained reads it, in the run's dtype; a layer QLoRA's preparation keeps in fp32 goes
                     # through the run's dtype first (bf16-rounded, as after a whole load and the preparation's cast)
                     local.copy_(part if local.dtype == pending.load_dtype else part.to(pending.load_dtype))
@@ -319,20 +324,50 @@ def _quantise_into(local: torch.Tensor, index: tuple, whole: torch.Tensor, setti
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def read_whole(path: Path, key: str) -> torch.Tensor:
-    """One tensor of a safetensors file, read into its own memory without mapping the file: a mapped read
-    would leave the whole tensor's pages in the process's resident memory while the file stays open."""
+def read_header(path: Path) -> tuple[int, dict]:
+    """(where the tensors' bytes start, the header's entries) of a safetensors file."""
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_size))[key]
-        start, end = entry["data_offsets"]
-        f.seek(8 + header_size + start)
-        data = torch.empty(end - start, dtype=torch.uint8)
-        if f.readinto(data.numpy()) != end - start:
-            raise ValueError(f"{path}: tensor {key!r} is cut short (the file ends before its {end - start} bytes)")
+        return 8 + header_size, json.loads(f.read(header_size))
+
+
+def read_whole(path: Path, key: str) -> torch.Tensor:
+    """One tensor of a safetensors file, read into its own memory (`read_part` of all of it)."""
+    header = read_header(path)
+    return read_part(path, header, key, tuple(slice(0, n) for n in header[1][key]["shape"]))
+
+
+def read_part(path: Path, header: tuple[int, dict], key: str, index: tuple[slice, ...]) -> torch.Tensor:
+    """The block `index` (one slice of step 1 per dimension) of one tensor of a safetensors file, read into
+    its own memory with plain reads, without mapping the file: mapped, the pages read would stay in the
+    process's resident memory while the file is open, as many as the kernel chose to map. The block is read
+    as runs of consecutive bytes: one run when only the first dimension is cut (FSDP's rows), one per row
+    when a later one is (a row-parallel weight's columns)."""
+    data_start, entries = header
+    entry = entries[key]
     if entry["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"{path}: tensor {key!r}: dtype {entry['dtype']!r} is not a floating-point weight's")
-    return data.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], list(entry["shape"])
+    start, end = entry["data_offsets"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if end - start != math.prod(shape) * itemsize:
+        raise ValueError(f"{path}: tensor {key!r}: {end - start} bytes for shape {shape} of {entry['dtype']}")
+    box = [range(*sl.indices(n)) for sl, n in zip(index, shape)]
+    if any(r.step != 1 for r in box) or len(box) != len(shape):
+        raise ValueError(f"{path}: tensor {key!r}: a block of {index} is not one slice per dimension")
+    # the dimensions past `cut` are whole: each combination of indices before it starts one run of bytes
+    cut = max([d for d, r in enumerate(box) if len(r) != shape[d]], default=0)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    run = len(box[cut]) * strides[cut] * itemsize if shape else itemsize
+    out = torch.empty([len(r) for r in box], dtype=dtype)
+    raw = out.view(-1).view(torch.uint8).numpy()
+    with open(path, "rb") as f:
+        for n, lead in enumerate(itertools.product(*box[:cut])):
+            first = sum(i * strides[d] for d, i in enumerate(lead)) + (box[cut].start * strides[cut] if shape else 0)
+            f.seek(data_start + start + first * itemsize)
+            if f.readinto(raw[n * run:(n + 1) * run]) != run:
+                raise ValueError(f"{path}: tensor {key!r} is cut short (the file ends inside its bytes)")
+    return out
 
 
 def named_tensors(model: torch.nn.Module):

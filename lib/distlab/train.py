@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, strategy: Strategy, stop: StopRequest) -> TrainResu
     # inside strategy.prepare (distlab.sharded_load; over a 4-bit base, each quantised weight whole, one at a time,
     # keeping its rows of the packed bytes); zero3 loads partitioned. The peak is read once
     # strategy.prepare has finished loading. The window opens after the data and the imports the build needs:
-    # libraries and tokens are not the model's load (on a CPU rank of the 0.5B shape's QLoRA run, about 140 MiB).
+    # libraries and tokens are not the model's load (on a CPU rank of the 0.5B shape's QLoRA run, 100 to 140 MiB).
     choice, tokenizer, train_data, eval_data = prepare_inputs(cfg, strategy)
     import_model_code(cfg)  # the libraries that building the model imports: they are not the load
     host = torch.device("cpu")

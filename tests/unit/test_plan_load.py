@@ -63,19 +63,27 @@ def test_a_sharded_4bit_base_loads_weight_by_weight_and_the_step_is_its_peak():
     assert rec.label == "fsdp with 4-bit weights" and rec.decision.option("fsdp", 0.5).fits_every_gpu
 
 
-def test_a_cpu_rank_packing_a_weight_holds_the_read_and_the_kernels_scratch():
-    """On a CPU the device is the host: the weight read in the file's dtype, its fp32 cast and bitsandbytes'
-    temporaries (QUANTISE_SCRATCH_BYTES) all sit in the one process, beside the unquantised slices it maps and
-    the LoRA adapters as drawn, whole, before the model was cut."""
+def test_a_slices_load_holds_what_it_has_filled_and_the_one_read_in_flight():
+    """Each tensor is read (its slice; a quantised weight whole, to be packed) into a buffer of its own and freed
+    once copied, in the model's order. On a GPU the host holds the largest read; on a CPU the device is the host,
+    so a read sits beside every slice filled before it: Qwen2.5-7B's untied LM head comes last, and its slice (272M
+    values in bf16) on top of everything kept is the peak. The LoRA
+    adapters sit whole on the host throughout (drawn before the model was cut)."""
     run = dict(lora_r=16, dtype="nf4", micro_batch=1, seq_len=128)
-    load = plan_load(shapes.QWEN25_7B, strategy="fsdp", world_size=2, on_gpu=False, checkpoint_bytes=2, **run)
-    largest = 18944 * 3584  # gate_proj, up_proj, down_proj
-    unquantised = shapes.parameter_count(shapes.QWEN25_7B) - 28 * (3584 * (3584 + 2 * 512) + 3584 * 3584
-                                                                     + 3 * 18944 * 3584)
+    cpu = plan_load(shapes.QWEN25_7B, strategy="fsdp", world_size=2, on_gpu=False, checkpoint_bytes=2, **run)
+    gpu = plan_load(shapes.QWEN25_7B, strategy="fsdp", world_size=2, on_gpu=True, checkpoint_bytes=2, **run)
+    head_slice = 152064 * 3584 // 2 * 2
+    mlp = 18944 * 3584  # gate_proj, up_proj, down_proj: the largest quantised weight, read whole and packed
     adapters = plan.plan_memory(shapes.QWEN25_7B, strategy="single", **run).adapter_weights
-    assert adapters > 0 and load.kept < load.whole
-    expected = load.kept + largest * (2 + 4 + QUANTISE_SCRATCH_BYTES) + unquantised * 2 / 2 + adapters
-    assert load.path == "slices" and load.host == pytest.approx(expected, rel=1e-9)
+    assert adapters > 0 and cpu.kept < cpu.whole and cpu.path == gpu.path == "slices"
+    assert cpu.host == pytest.approx(cpu.kept + head_slice + adapters, rel=1e-9)
+    assert gpu.host == pytest.approx(head_slice + adapters, rel=1e-9)
+    assert gpu.device == pytest.approx(gpu.kept + mlp * (2 + 0.5), rel=1e-9)  # packing on the GPU, in bf16
+    # on a CPU: its fp32 cast and bitsandbytes' temporaries (QUANTISE_SCRATCH_BYTES), beside the weight read
+    assert cpu.device == pytest.approx(cpu.kept + mlp * (4 + QUANTISE_SCRATCH_BYTES), rel=1e-9)
+    # a tied head (Qwen3-0.6B) is the embedding, read first, before any other slice is held: not on top of them
+    tied = plan_load(shapes.QWEN3_06B, strategy="fsdp", world_size=2, on_gpu=False, dtype="fp32", lora_r=16)
+    assert tied.host < tied.kept + shapes.QWEN3_06B["vocab_size"] * 1024 // 2 * 2
 
 
 def test_zero3_holds_one_whole_tensor_beside_its_partition_while_loading():

@@ -74,3 +74,31 @@ def test_a_weightless_4bit_model_filled_from_the_files_is_the_whole_4bit_load_bi
                                                        *{id(t): t for t in quant_state_tensors(whole)}.values()])
     assert report["bytes_held"] == held
     assert report["bytes_read"] == sum(file_tensor_bytes().values())
+
+
+def test_a_block_read_from_the_file_is_that_block_of_the_tensor(tmp_path):
+    """read_part reads any block (one slice per dimension) with plain reads: rows, columns, a corner, a whole
+    tensor, a 0-d one; in every dtype a checkpoint holds. A file cut short or a block of steps is refused."""
+    from safetensors.torch import save_file  # deferred: only this test writes a file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"rows": torch.randn(7, 5, generator=g).bfloat16(), "cube": torch.randn(4, 3, 6, generator=g),
+               "vector": torch.randn(9, generator=g).half(), "scalar": torch.tensor(3.5, dtype=torch.float64)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    header = sharded_load.read_header(path)
+    blocks = {"rows": [(slice(2, 5), slice(0, 5)), (slice(0, 7), slice(1, 3)), (slice(6, 7), slice(4, 5))],
+              "cube": [(slice(1, 3), slice(0, 3), slice(0, 6)), (slice(0, 4), slice(1, 2), slice(2, 6)),
+                       (slice(3, 4), slice(2, 3), slice(0, 1))],
+              "vector": [(slice(0, 9),), (slice(4, 5),)], "scalar": [()]}
+    for key, indexes in blocks.items():
+        assert torch.equal(sharded_load.read_whole(path, key), tensors[key])
+        for index in indexes:
+            part = sharded_load.read_part(path, header, key, index)
+            assert part.dtype == tensors[key].dtype and torch.equal(part, tensors[key][index]), (key, index)
+    with pytest.raises(ValueError, match="one slice per dimension"):
+        sharded_load.read_part(path, header, "rows", (slice(0, 7, 2), slice(0, 5)))
+    path.write_bytes(path.read_bytes()[:-8])  # the last tensor's bytes run past the end of the file
+    last = max(header[1], key=lambda k: header[1][k].get("data_offsets", [0])[0] if k != "__metadata__" else -1)
+    with pytest.raises(ValueError, match="cut short"):
+        sharded_load.read_whole(path, last)

@@ -364,7 +364,6 @@ def run(
             except subprocess.TimeoutExpired:
                 track_tree(pgid, seen)
     except BaseException:  # KeyboardInterrupt from a notebook's stop button
-        hold.release()
         if proc is not None:
             kill_group(proc.pid, also=list(seen.values()))
             proc.wait()

@@ -23,6 +23,7 @@ bucket holds and hands the bucket to DDP's own asynchronous all-reduce), so the 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from distlab.cli import finite_float, run_main
+from distlab.config import TrainConfig
 from distlab.jsonio import strict_json
 from distlab.measure.chrome_trace import spans as chrome_trace_spans
 
@@ -45,7 +47,6 @@ ALLREDUCE_CALL = "c10d::allreduce_"  # the training thread handing a bucket to g
 def traced_step(out_dir: Path, bucket_cap_mb: float, rows: int = 2, seq_len: int = 128) -> dict:
     from distlab.models import load_model  # deferred: transformers is slow to import
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)  # each rank its own rows
     model = DDP(load_model(None), bucket_cap_mb=bucket_cap_mb)
@@ -83,7 +84,6 @@ def traced_step(out_dir: Path, bucket_cap_mb: float, rows: int = 2, seq_len: int
               "buckets": [{"index": i, **buckets[i]} for i in sorted(buckets)]}
     trace.unlink()
     (out_dir / f"rank{rank}.json").write_text(strict_json(result))
-    dist.destroy_process_group()
     return result
 
 
@@ -106,7 +106,13 @@ def main(argv=None) -> int:
     parser.add_argument("--bucket-cap-mb", type=finite_float, default=1.0)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    traced_step(args.out_dir, args.bucket_cap_mb)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TrainConfig.collective_timeout_s))
+    try:
+        traced_step(args.out_dir, args.bucket_cap_mb)
+    finally:
+        # only once the traced model is gone: a DDP model freed after its group drops the group's last reference
+        # with the GIL held, and can deadlock against a gloo thread finishing an all-reduce
+        dist.destroy_process_group()
     return 0
 
 

@@ -24,6 +24,7 @@ installed; the profiler's own cost (a few microseconds per recorded op) is in ev
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from distlab.cli import run_main
+from distlab.config import TrainConfig
 from distlab.jsonio import strict_json
 from distlab.measure.chrome_trace import spans as chrome_trace_spans
 
@@ -47,7 +49,6 @@ COLLECTIVES = {"gloo:all_gather": "all-gather", "gloo:all_reduce": "reduce-scatt
 def traced_steps(out_dir: Path, steps: int, rows: int = 2, seq_len: int = 256) -> dict:
     from distlab.models import load_model  # deferred: transformers is slow to import
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)  # each rank its own rows
     model = load_model(None)
@@ -79,7 +80,6 @@ def traced_steps(out_dir: Path, steps: int, rows: int = 2, seq_len: int = 256) -
         trace.unlink()
         (out_dir / "rank0.json").write_text(strict_json(result))
     dist.barrier()
-    dist.destroy_process_group()
     return result
 
 
@@ -102,7 +102,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    traced_steps(args.out_dir, args.steps)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TrainConfig.collective_timeout_s))
+    try:
+        traced_steps(args.out_dir, args.steps)
+    finally:
+        # only once the traced model is gone, as in ddp_trace: a model that outlives its group can deadlock
+        dist.destroy_process_group()
     return 0
 
 

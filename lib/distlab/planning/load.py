@@ -24,12 +24,13 @@ the run's dtype and keeps its rows of the packed bytes (distlab.sharded_load): b
 that same one weight being packed. On a CPU, bitsandbytes' kernel allocates QUANTISE_SCRATCH_BYTES per element
 while it packs, instead of the packed bytes.
 
-The host side, per rank: a safetensors checkpoint is memory-mapped, and the pages a rank reads count in its
-resident memory, in the file's dtype: all of it (whole, stage; partitioned: rank 0 alone reads the values,
-the other ranks only the keys and shapes), or its slices. On a GPU the whole and stage paths also build the
-model on the host before it moves; a quantised load sends each tensor to the GPU as it reads it. On a CPU
-the device is the host: one process holds both, and a slice read in the file's dtype is cast to the run's
-in a second buffer (the largest slice is the worst).
+The host side, per rank: transformers memory-maps a safetensors checkpoint, and the pages a rank reads count
+in its resident memory, in the file's dtype: all of it (whole, stage; partitioned: rank 0 alone reads the
+values, the other ranks only the keys and shapes). The slices path reads each slice with plain reads into a
+buffer of its own instead (distlab.sharded_load.read_part), freed once copied: beyond what it keeps, a rank
+holds the largest slice in the file's dtype (over a 4-bit base, or the largest quantised weight read whole,
+if larger). On a GPU the whole and stage paths also build the model on the host before it moves; a quantised
+load sends each tensor to the GPU as it reads it. On a CPU the device is the host: one process holds both.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distlab.config import PIPELINE_STRATEGIES
-from distlab.planning.plan import is_quantised, largest_held, plan_memory, quantisation_of, resolve_precision
+from distlab.planning.plan import (
+    held_elements,
+    is_quantised,
+    plan_memory,
+    quantisation_of,
+    quantised_tensor_bytes,
+    resolve_precision,
+)
 from distlab.planning.shapes import config_value, model_shape, parameter_count, parameter_layout
 
 SLICE_STRATEGIES = ("fsdp", "tp", "fsdp_tp")  # read only their slices from a safetensors checkpoint
@@ -102,22 +110,13 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
         run_bytes = 2 if on_gpu else 4  # the dtype it is read as and packed from: bf16 on a GPU, fp32 on a CPU
         # on a GPU: the weight in the run's dtype and its packed bytes; in one CPU process: its cast to the run's
         # dtype (if the file's differs) and the CPU kernel's temporaries
-        packing_bytes = packing * (run_bytes + 0.5) if on_gpu else \
-            packing * ((run_bytes if run_bytes != checkpoint_bytes else 0) + QUANTISE_SCRATCH_BYTES)
-    if path == "slices" and quantised:  # FSDP + QLoRA: the quantised weights read whole, one at a time
-        unquantised = sum(p.numel for p in layout if not is_quantised(p) and "lora_" not in p.name)
-        pages = unquantised * checkpoint_bytes / world_size  # the unquantised tensors' slices, mapped
-        host = pages + packing * checkpoint_bytes  # the weight as the file holds it, read (not mapped)
-        device = kept + packing_bytes
-    elif path == "slices":
-        base_kept = step.weights + (0 if lora else step.adapter_weights)
-        base_whole = one.weights + (0 if lora else one.adapter_weights)
-        pages = file_whole * base_kept / base_whole
-        device = kept
-        largest_slice = largest_held(parameter_layout(config, None), strategy, world_size,
-                                     plan_kwargs.get("tp_size"), plan_kwargs.get("vocab_parallel", False))
-        cast = 0.0 if on_gpu else largest_slice * checkpoint_bytes  # read in the file's dtype, then cast
-        host = pages + cast
+        packing_per_element = (run_bytes + 0.5) if on_gpu else \
+            ((run_bytes if run_bytes != checkpoint_bytes else 0) + QUANTISE_SCRATCH_BYTES)
+        packing_bytes = packing * packing_per_element
+    if path == "slices":
+        device = kept + (packing_bytes if quantised else 0.0)
+        host = slices_fill_host(config, strategy, world_size, kept, prec, checkpoint_bytes, on_gpu, plan_kwargs,
+                                quantization, packing_per_element if quantised else 0.0)
     elif path == "partitioned":  # transformers: rank 0 copies the values in while each module is gathered
         device, host = partitioned_peak(config, kept, value_bytes, checkpoint_bytes, world_size,
                                         reads_file=rank in (None, 0), on_gpu=on_gpu)
@@ -131,9 +130,35 @@ def plan_load(config, *, strategy: str = "single", world_size: int = 1, rank: in
         host = pages + (whole if on_gpu and not quantised else 0.0)
     if path == "slices" and lora:  # the adapters as drawn, whole (distlab.sharded_load.defer_weights keeps them)
         host += one.adapter_weights
-    if not on_gpu and path != "partitioned":  # (partitioned_peak follows the one process's memory itself)
+    if not on_gpu and path not in ("partitioned", "slices"):  # (those two follow the one process's memory)
         host += device
     return LoadPeak(strategy, path, device, host, kept, whole)
+
+
+def slices_fill_host(config, strategy: str, world_size: int, kept: float, prec, checkpoint_bytes: float,
+                     on_gpu: bool, plan_kwargs: dict, quantization: str | None, packing_per_element: float) -> float:
+    """The host's part of a slices load (distlab.sharded_load.fill): each tensor, in the model's order, is read
+    into a buffer of its own in the file's dtype (its slice; a quantised weight whole, to be packed) and freed
+    once copied, so on a GPU the host holds the largest such read. On a CPU the device is the host: when tensor
+    i is read, the slices filled before it are held too (allocated empty, a page is held once written), so the
+    peak is the largest of (what is filled through i) + (what i reads, and packs)."""
+    layout = parameter_layout(config, plan_kwargs.get("lora_r"), plan_kwargs.get("lora_targets"))
+    held = held_elements(layout, strategy, world_size, plan_kwargs.get("tp_size"),
+                         plan_kwargs.get("vocab_parallel", False))
+    packs = [quantization is not None and is_quantised(p) for p in layout]
+    # the adapters are not read: they are copied from the whole ones drawn before the model was cut
+    reads = [0.0 if "lora_" in p.name else (p.numel if pack else h) * checkpoint_bytes
+             for p, h, pack in zip(layout, held, packs)]
+    if on_gpu:
+        return max(reads)
+    scratch = [p.numel * packing_per_element if pack else 0.0 for p, pack in zip(layout, packs)]
+    kept_each = [h * (prec.trainable_bytes if p.trainable else quantised_tensor_bytes(p, quantization) / p.numel
+                      if quantization else prec.weight_bytes) for p, h in zip(layout, held)]
+    total, filled, peak = sum(kept_each), 0.0, 0.0
+    for keeps, read, extra in zip(kept_each, reads, scratch):
+        filled += keeps
+        peak = max(peak, kept * filled / total + read + extra)  # `kept` as the step plan counts it, in order
+    return peak
 
 
 def partitioned_peak(config, kept: float, value_bytes: float, checkpoint_bytes: float, world_size: int,

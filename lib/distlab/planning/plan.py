@@ -421,15 +421,15 @@ def resolve_tp_size(strategy: str, world_size: int, tp_size: int | None) -> int:
     return tp_size or (2 if strategy == "fsdp_tp" else world_size)
 
 
-def largest_held(layout: Sequence[ParamSpec], strategy: str, world_size: int, tp_size: int | None = None,
-                 vocab_parallel: bool = False) -> int:
-    """Elements of the largest part of one tensor a rank of fsdp, tp or fsdp_tp holds: what a sharded load
-    reads (and, on a CPU, casts) in one piece. tp keeps the embedding whole unless `vocab_parallel`."""
+def held_elements(layout: Sequence[ParamSpec], strategy: str, world_size: int, tp_size: int | None = None,
+                  vocab_parallel: bool = False) -> list[int]:
+    """Elements of each tensor of `layout` that a rank of fsdp, tp or fsdp_tp holds (the rank holding the most):
+    what a sharded load reads of it. tp keeps the embedding whole unless `vocab_parallel`."""
     tp = resolve_tp_size(strategy, world_size, tp_size)
     held = {"fsdp": lambda p: _fsdp_shard(p, world_size),
             "tp": lambda p: tp_held(p, world_size, vocab_parallel),
             "fsdp_tp": lambda p: fsdp_tp_held(p, tp, world_size // tp)}[strategy]
-    return max(held(p) for p in layout)
+    return [held(p) for p in layout]
 
 
 def plan_tp(s: PlanSetup, rank: int) -> MemoryBreakdown:
